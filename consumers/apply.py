@@ -1,0 +1,171 @@
+"""The one place where stream messages become tier state in Redis.
+
+The processor, replay and the tests all call `TierStateWriter`; nothing else writes
+`kvt:*` keys. Each EventBatch is applied by one server-side script call (`apply.lua`), so a
+batch is atomic, and the script itself enforces (epoch, seq) order: a batch is applied only
+if it is the next one, whoever sends it and however often.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.resources
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import msgspec
+import redis
+
+from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
+from kvtier.schemas.hashes import BlockHash, PageKey, block_hash_from_page_key, page_keys_blob
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.tiers import Tier, tiers_of_bits
+
+
+class ApplyStatus(enum.IntEnum):
+    APPLIED = 0
+    DUPLICATE = 1  # this seq was applied before (redelivery, duplicate publish)
+    AHEAD = 2  # an earlier seq of this epoch has not been applied yet: a gap
+    OLD_EPOCH = 3  # the worker has moved on to a newer epoch
+
+
+class ApplyMode(str, enum.Enum):
+    NEXT = "next"  # apply only if this is the next batch in (epoch, seq) order
+    REBASE = "rebase"  # give up on missing batches: clear, mark stale, continue from here
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    status: ApplyStatus
+    epoch: int
+    seq: int
+    transitions: int
+    stale: bool
+
+
+def _load_script(name: str) -> str:
+    return importlib.resources.files("kvtier.consumers").joinpath(name).read_text()
+
+
+_APPLY_LUA = _load_script("apply.lua")
+_EXPIRE_LUA = _load_script("expire.lua")
+_STORE, _REMOVE, _CLEAR = "S", "R", "C"
+
+
+def _script_ops(batch: EventBatch) -> list[str | int]:
+    ops: list[str | int] = []
+    for event in batch.events:
+        if isinstance(event, PagesStored):
+            ops += (_STORE, event.tier.bit, page_keys_blob(event.hashes))
+        elif isinstance(event, PagesRemoved):
+            ops += (_REMOVE, event.tier.bit, page_keys_blob(event.hashes))
+        elif isinstance(event, AllCleared):
+            ops += (_CLEAR, 0, "")
+    return ops
+
+
+class TierStateWriter:
+    def __init__(self, client: redis.Redis):
+        self.client = client
+        self._apply = client.register_script(_APPLY_LUA)
+        self._expire = client.register_script(_EXPIRE_LUA)
+
+    def _apply_call(self, batch: EventBatch, mode: ApplyMode, now_ms: int, target) -> object:
+        keys = ModelKeys.for_model(batch.model)
+        return self._apply(
+            keys=[keys.state(batch.worker_id), keys.pages(batch.worker_id), keys.workers],
+            args=[keys.block_prefix, batch.worker_id, batch.epoch, batch.seq, mode.value,
+                  batch.epoch_reason.value if batch.epoch_reason else "", now_ms,
+                  repr(batch.source_ts), *_script_ops(batch)],
+            client=target,
+        )
+
+    def apply(self, batch: EventBatch, mode: ApplyMode = ApplyMode.NEXT) -> ApplyResult:
+        return _result(self._apply_call(batch, mode, _now_ms(), self.client))
+
+    def apply_many(self, batches: Sequence[EventBatch]) -> list[ApplyResult]:
+        """Apply batches in the given order in one round trip (a pipeline of script calls;
+        each call is still atomic and order-checked on its own)."""
+        if not batches:
+            return []
+        now_ms = _now_ms()
+        pipe = self.client.pipeline(transaction=False)
+        for batch in batches:
+            self._apply_call(batch, ApplyMode.NEXT, now_ms, pipe)
+        return [_result(r) for r in pipe.execute()]
+
+    def announce(self, announce: WorkerAnnounce, received_at: float | None = None) -> bool:
+        """Record worker metadata and extend its lease (measured from receipt, so bridge
+        clock skew cannot make a lease immortal or stillborn). Returns whether the worker's
+        state is marked stale."""
+        meta = announce.metadata
+        keys = ModelKeys.for_model(meta.model)
+        expiry_ms = int(((received_at or time.time()) + announce.lease_ttl_s) * 1000)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.sadd(MODELS_KEY, keys.model_token)
+        pipe.set(keys.meta(meta.worker_id), msgspec.json.encode(meta))
+        pipe.zadd(keys.leases, {meta.worker_id: expiry_ms})
+        pipe.sadd(keys.workers, meta.worker_id)
+        pipe.hget(keys.state(meta.worker_id), "stale")
+        return (pipe.execute()[-1] or b"0") not in (b"0", "0")
+
+    def count_stale_workers(self) -> int:
+        stale = 0
+        for token in self.client.smembers(MODELS_KEY):
+            keys = ModelKeys(token.decode() if isinstance(token, bytes) else token)
+            workers = [w.decode() if isinstance(w, bytes) else w for w in self.client.smembers(keys.workers)]
+            pipe = self.client.pipeline(transaction=False)
+            for worker_id in workers:
+                pipe.hget(keys.state(worker_id), "stale")
+            stale += sum(1 for flag in pipe.execute() if flag in (b"1", "1"))
+        return stale
+
+    def expire_dead_workers(self, now: float | None = None) -> list[tuple[str, str, int]]:
+        """Clear every worker whose lease ran out. Returns (model token, worker, pages removed)."""
+        now_ms = int((now or time.time()) * 1000)
+        removed: list[tuple[str, str, int]] = []
+        for token in sorted(self.client.smembers(MODELS_KEY)):
+            keys = ModelKeys(token.decode() if isinstance(token, bytes) else token)
+            for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
+                worker_id = worker.decode() if isinstance(worker, bytes) else worker
+                pages = self._expire(
+                    keys=[keys.state(worker_id), keys.pages(worker_id), keys.leases],
+                    args=[keys.block_prefix, worker_id, now_ms],
+                )
+                removed.append((keys.model_token, worker_id, int(pages)))
+        return removed
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _result(raw) -> ApplyResult:
+    status, epoch, seq, transitions, stale = raw
+    return ApplyResult(ApplyStatus(int(status)), int(epoch), int(seq), int(transitions), bool(int(stale)))
+
+
+# --- readers used by tests, replay and debugging tools -------------------------------------
+def read_worker_pages(client: redis.Redis, model: str, worker_id: str) -> dict[BlockHash, set[Tier]]:
+    """A worker's pages and the tiers each is on, from the per-worker index."""
+    raw = client.hgetall(ModelKeys.for_model(model).pages(worker_id))
+    return {
+        block_hash_from_page_key(PageKey(k.decode() if isinstance(k, bytes) else k)): set(tiers_of_bits(int(v)))
+        for k, v in raw.items()
+    }
+
+
+def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[str, str]:
+    raw = client.hgetall(ModelKeys.for_model(model).state(worker_id))
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()}
+
+
+def read_page_holders(client: redis.Redis, model: str, hashes: Iterable[BlockHash]) -> list[dict[str, int]]:
+    """For each page, worker -> tier bits, from the block index routers read."""
+    keys = ModelKeys.for_model(model)
+    pipe = client.pipeline(transaction=False)
+    for h in hashes:
+        pipe.hgetall(keys.block(PageKey(page_keys_blob([h]))))
+    return [{(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in r.items()} for r in pipe.execute()]

@@ -1,0 +1,244 @@
+"""`kvtier processor`: JetStream -> ordered, exactly-once tier state in Redis.
+
+Each owned partition has one durable pull consumer. Messages are decoded, then applied
+through `TierStateWriter` (one atomic, order-checked script call per batch) and acked only
+after Redis has them, so a crash at any point redelivers and the seq check drops repeats.
+On start each consumer is rewound to its ack floor, so what a crashed processor held is
+redelivered at once, in stream order, instead of after ack_wait.
+A gap (a later seq arrives first) is held back (nak with delay) for `gap_timeout_s`; then
+the worker is rebased: cleared, marked stale, and its bridge is asked to resync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import redis
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from prometheus_client import Counter, Gauge, Histogram
+
+from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
+from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, dlq_subject, partition_filter, subject_token
+from kvtier.streams import StreamSettings, ensure_streams
+
+log = logging.getLogger("kvtier.processor")
+
+APPLIED_BATCHES = Counter("kvtier_processor_applied_batches_total", "Batches applied to Redis")
+APPLIED_TRANSITIONS = Counter("kvtier_processor_applied_transitions_total", "Page tier transitions applied")
+SKIPPED = Counter("kvtier_processor_skipped_batches_total", "Batches skipped", ["reason"])
+GAPS = Counter("kvtier_processor_gaps_total", "Seq gaps seen", ["outcome"])
+DEAD_LETTERS = Counter("kvtier_processor_dead_letters_total", "Messages dead-lettered", ["reason"])
+ANNOUNCES = Counter("kvtier_processor_announces_total", "Worker announcements (lease heartbeats) applied")
+EXPIRED = Counter("kvtier_processor_expired_workers_total", "Workers cleared after their lease expired")
+RESYNCS = Counter("kvtier_processor_resync_requests_total", "Resync requests sent to bridges")
+STALE_WORKERS = Gauge("kvtier_processor_stale_workers", "Workers whose state is marked stale")
+PENDING = Gauge("kvtier_processor_consumer_pending", "Messages not yet delivered", ["partition"])
+LAG = Histogram("kvtier_processor_event_lag_seconds", "Engine emit -> visible in Redis",
+                buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+@dataclass
+class ProcessorConfig:
+    nats_url: str
+    redis_url: str
+    partitions: list[int] | None = None  # None: all partitions of the stream
+    durable_prefix: str = "kvtier-processor"
+    fetch_batch: int = 256
+    gap_timeout_s: float = 10.0
+    ack_wait_s: float = 30.0
+    reap_interval_s: float = 1.0
+    resync_min_interval_s: float = 2.0
+    streams: StreamSettings = field(default_factory=StreamSettings)
+    partitions_explicit: bool = False
+
+
+class Processor:
+    def __init__(self, config: ProcessorConfig):
+        self.cfg = config
+        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, health_check_interval=5)
+        self.writer = TierStateWriter(self.redis)
+        self.nc = None
+        self.js = None
+        self.partitions: list[int] = []
+        self._ahead_since: dict[tuple[str, str], float] = {}
+        self._last_resync: dict[tuple[str, str], float] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await nats.connect(self.cfg.nats_url, name="kvtier-processor", max_reconnect_attempts=-1,
+                                     reconnect_time_wait=0.5)
+        self.js = self.nc.jetstream()
+        try:
+            total = await ensure_streams(self.js, self.cfg.streams, partitions_explicit=self.cfg.partitions_explicit)
+            self.partitions = self.cfg.partitions if self.cfg.partitions is not None else list(range(total))
+            bad = [p for p in self.partitions if not 0 <= p < total]
+            if bad:
+                raise ValueError(f"partitions {bad} do not exist: the stream has {total} (0..{total - 1})")
+            log.info("processor owns partitions %s of %d", self.partitions, total)
+            tasks = [asyncio.create_task(self._consume(p, stop)) for p in self.partitions]
+            tasks.append(asyncio.create_task(self._housekeeping(stop)))
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            stop.set()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                    raise result
+        finally:
+            # close, not drain: draining pull subscriptions can wait forever in nats-py, and
+            # every message we acked is already applied; unacked ones are redelivered.
+            await self.nc.close()
+            self.redis.close()
+
+    # --- consuming --------------------------------------------------------------------------
+    async def _subscribe(self, partition: int, rewind: bool):
+        durable = f"{self.cfg.durable_prefix}-p{partition}"
+        config = ConsumerConfig(
+            durable_name=durable, filter_subject=partition_filter(partition), ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.cfg.ack_wait_s, max_ack_pending=50_000, max_deliver=-1, deliver_policy=DeliverPolicy.ALL,
+        )
+        if rewind:
+            try:
+                info = await self.js.consumer_info(EVENTS_STREAM, durable)
+                if info.num_ack_pending:
+                    # A previous owner died holding unacked messages: redeliver them now, in order.
+                    floor = info.ack_floor.stream_seq if info.ack_floor else 0
+                    await self.js.delete_consumer(EVENTS_STREAM, durable)
+                    config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+                    config.opt_start_seq = floor + 1
+                    log.info("partition %d: rewinding consumer to stream seq %d (%d unacked)", partition, floor + 1,
+                             info.num_ack_pending)
+            except nats.js.errors.NotFoundError:
+                pass
+        return await self.js.pull_subscribe(partition_filter(partition), durable=durable, stream=EVENTS_STREAM,
+                                            config=config)
+
+    async def _consume(self, partition: int, stop: asyncio.Event) -> None:
+        sub = await self._subscribe(partition, rewind=True)
+        while not stop.is_set():
+            try:
+                messages = await sub.fetch(self.cfg.fetch_batch, timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError, nats.js.errors.APIError,
+                    nats.errors.ConnectionClosedError) as exc:
+                if stop.is_set():
+                    break
+                log.warning("partition %d: fetch failed (%s); re-subscribing", partition, exc)
+                await asyncio.sleep(0.5)
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # noqa: BLE001 - the old subscription may already be gone
+                    pass
+                sub = await self._subscribe(partition, rewind=False)
+                continue
+            await self.handle(messages)
+
+    async def handle(self, messages) -> None:
+        batches: list[tuple[object, EventBatch]] = []
+        for msg in messages:
+            message = await self._decode_or_dead_letter(msg)
+            if message is None:
+                continue
+            if isinstance(message, WorkerAnnounce):
+                stale = await asyncio.to_thread(self.writer.announce, message)
+                ANNOUNCES.inc()
+                if stale:
+                    await self._request_resync(message.metadata.model, message.metadata.worker_id, "state is stale")
+                await msg.ack()
+            else:
+                batches.append((msg, message))
+        if not batches:
+            return
+        results = await asyncio.to_thread(self.writer.apply_many, [b for _, b in batches])
+        now = time.time()
+        for (msg, batch), result in zip(batches, results):
+            key = (batch.model, batch.worker_id)
+            if result.status == ApplyStatus.AHEAD:
+                if await self._hold_back(msg, batch, key, now, result):
+                    continue
+                result = await asyncio.to_thread(self.writer.apply, batch, ApplyMode.REBASE)
+                GAPS.labels("rebased").inc()
+                log.error("%s/%s: batches %d:%d..%d never arrived; state cleared and marked stale, asking the "
+                          "bridge to resync", batch.model, batch.worker_id, batch.epoch, result.seq, batch.seq - 1)
+            if result.status == ApplyStatus.APPLIED:
+                self._ahead_since.pop(key, None)
+                APPLIED_BATCHES.inc()
+                APPLIED_TRANSITIONS.inc(result.transitions)
+                LAG.observe(max(0.0, now - batch.source_ts))
+                if result.stale:
+                    await self._request_resync(batch.model, batch.worker_id, "state is stale")
+            else:
+                SKIPPED.labels("duplicate" if result.status == ApplyStatus.DUPLICATE else "old_epoch").inc()
+            await msg.ack()
+
+    async def _hold_back(self, msg, batch: EventBatch, key, now: float, result) -> bool:
+        """True if the batch is held back to wait for the missing ones."""
+        first = self._ahead_since.setdefault(key, now)
+        if now - first < self.cfg.gap_timeout_s:
+            GAPS.labels("waiting").inc()
+            await msg.nak(delay=0.2)
+            return True
+        self._ahead_since.pop(key, None)
+        return False
+
+    async def _decode_or_dead_letter(self, msg):
+        subject_tokens = msg.subject.split(".")
+        try:
+            message = decode_message(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion) as exc:
+            await self._dead_letter(msg, f"undecodable message: {exc}", type(exc).__name__)
+            return None
+        meta = message.metadata if isinstance(message, WorkerAnnounce) else message
+        if len(subject_tokens) >= 4 and (subject_tokens[2], subject_tokens[3]) != (
+                subject_token(meta.model), subject_token(meta.worker_id)):
+            await self._dead_letter(msg, f"message for {meta.model}/{meta.worker_id} arrived on subject "
+                                         f"{msg.subject}: refusing to apply it to another worker", "subject_mismatch")
+            return None
+        return message
+
+    async def _dead_letter(self, msg, reason: str, kind: str) -> None:
+        DEAD_LETTERS.labels(kind).inc()
+        tokens = msg.subject.split(".")
+        model, worker = (tokens[2], tokens[3]) if len(tokens) >= 4 else ("unknown", "unknown")
+        log.warning("dead-lettering message from %s: %s", msg.subject, reason)
+        headers = {"Kvtier-Reason": reason[:1024], "Kvtier-Stage": "processor", "Kvtier-Source-Subject": msg.subject}
+        if msg.metadata and msg.metadata.sequence:
+            headers["Kvtier-Stream-Seq"] = str(msg.metadata.sequence.stream)
+        await self.js.publish(dlq_subject("processor", model, worker), msg.data, headers=headers, timeout=5.0)
+        await msg.ack()  # only after the dead letter is stored: nothing is lost
+
+    async def _request_resync(self, model: str, worker_id: str, reason: str) -> None:
+        key = (model, worker_id)
+        now = time.monotonic()
+        if now - self._last_resync.get(key, -1e9) < self.cfg.resync_min_interval_s:
+            return
+        self._last_resync[key] = now
+        RESYNCS.inc()
+        await self.nc.publish(control_subject(model, worker_id),
+                              msgspec.json.encode({"request": "resync", "reason": reason}))
+
+    # --- leases and gauges ------------------------------------------------------------------
+    async def _housekeeping(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                for model, worker, pages in await asyncio.to_thread(self.writer.expire_dead_workers):
+                    EXPIRED.inc()
+                    log.warning("%s/%s: lease expired; removed its %d pages", model, worker, pages)
+                STALE_WORKERS.set(await asyncio.to_thread(self.writer.count_stale_workers))
+                for partition in self.partitions:
+                    info = await self.js.consumer_info(EVENTS_STREAM, f"{self.cfg.durable_prefix}-p{partition}")
+                    PENDING.labels(str(partition)).set(info.num_pending)
+            except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
+                log.warning("housekeeping failed: %s", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.reap_interval_s)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,293 @@
+"""The `kvtier` command. Every flag can also be set by an environment variable
+KVTIER_<FLAG> (e.g. --nats -> KVTIER_NATS, --page-size -> KVTIER_PAGE_SIZE); a flag on the
+command line wins over the environment."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from kvtier.streams import DEFAULT_PARTITIONS, StreamSettings
+
+
+def _env_name(flag: str) -> str:
+    return "KVTIER_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+class _EnvDefaults(argparse.ArgumentParser):
+    """ArgumentParser whose options take their default from KVTIER_<FLAG>."""
+
+    def add_argument(self, *names, **kwargs):  # type: ignore[override]
+        flag = next((n for n in names if n.startswith("--")), None)
+        if flag and flag != "--help":
+            env = _env_name(flag)
+            kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
+            if env in os.environ:
+                raw = os.environ[env]
+                if kwargs.get("action") == "store_true":
+                    kwargs["default"] = raw.lower() in ("1", "true", "yes", "on")
+                else:
+                    kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
+                kwargs["required"] = False
+        return super().add_argument(*names, **kwargs)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _worker_id(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9_\-]{1,128}", text):
+        raise argparse.ArgumentTypeError(
+            f"worker id {text!r} must be 1-128 characters of letters, digits, '_' or '-' "
+            "(it becomes a NATS subject token and part of Redis keys)")
+    return text
+
+
+def _partition_list(text: str) -> list[int] | None:
+    if text in ("", "all"):
+        return None
+    parts: list[int] = []
+    for piece in text.split(","):
+        if "-" in piece:
+            lo, hi = piece.split("-", 1)
+            parts.extend(range(int(lo), int(hi) + 1))
+        else:
+            parts.append(int(piece))
+    if any(p < 0 for p in parts):
+        raise argparse.ArgumentTypeError("partitions are non-negative integers")
+    return sorted(set(parts))
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="Log verbosity.")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off).")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="Address the metrics server binds to.")
+
+
+def _add_stream_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-partitions", type=_positive_int, default=None,
+                   help=f"Partitions of the events stream when this process creates it (default "
+                        f"{DEFAULT_PARTITIONS}). If the stream exists with another count, giving this flag is an error.")
+    p.add_argument("--stream-max-age", type=_positive_float, default=24 * 3600.0,
+                   help="Keep events this many seconds in the stream (replay window), when creating it.")
+    p.add_argument("--stream-max-bytes", type=int, default=-1,
+                   help="Cap the stream's size in bytes, oldest dropped first (-1: no cap), when creating it.")
+    p.add_argument("--stream-replicas", type=_positive_int, default=1,
+                   help="JetStream replicas of the streams (1 for a single server, 3 for a cluster).")
+
+
+def _stream_settings(args) -> tuple[StreamSettings, bool]:
+    return StreamSettings(
+        partitions=args.stream_partitions or DEFAULT_PARTITIONS, max_age_s=args.stream_max_age,
+        max_bytes=args.stream_max_bytes, replicas=args.stream_replicas,
+    ), args.stream_partitions is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _EnvDefaults(prog="kvtier", description="Tier-aware KV-cache routing for SGLang HiCache clusters.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
+
+    b = sub.add_parser("bridge", help="Forward one SGLang worker's ZMQ KV events to NATS JetStream.",
+                       description="Subscribe to an SGLang worker's KV events (--kv-events-config publisher zmq) and "
+                                   "publish them, in order and gap-free, to JetStream subject "
+                                   "kvtier.events.<model>.<worker>. Recovers missed batches from the engine's replay "
+                                   "socket and announces the worker (metadata + lease) every heartbeat.")
+    b.add_argument("--endpoint", required=True,
+                   help="The worker's ZMQ PUB endpoint to connect to, e.g. tcp://10.0.0.5:5557 (the 'endpoint' of "
+                        "--kv-events-config with '*' replaced by the worker's address). DP rank r uses port + r.")
+    b.add_argument("--replay-endpoint", default="",
+                   help="The worker's ZMQ replay (ROUTER) endpoint, e.g. tcp://10.0.0.5:5558. Without it a gap or a "
+                        "bridge restart cannot be recovered and starts a new epoch (the worker's state is rebuilt).")
+    b.add_argument("--topic", default="", help="ZMQ topic to subscribe to ('' = all, SGLang's default).")
+    b.add_argument("--worker-id", required=True, type=_worker_id,
+                   help="Stable id of this worker (letters, digits, '_', '-'); routers return it. With --dp-size N>1 "
+                        "rank r becomes <worker-id>-dp<r>.")
+    b.add_argument("--model", required=True, help="Served model name, as clients send it to the router.")
+    b.add_argument("--page-size", required=True, type=_positive_int,
+                   help="SGLang --page-size of the worker (tokens per KV page).")
+    b.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
+    b.add_argument("--dp-size", type=_positive_int, default=1,
+                   help="Attention data-parallel ranks of the worker; each rank publishes on endpoint port + rank.")
+    b.add_argument("--tp-size", type=_positive_int, default=1, help="Tensor-parallel size (Mooncake key layout).")
+    b.add_argument("--pp-size", type=_positive_int, default=1, help="Pipeline-parallel size (Mooncake key layout).")
+    b.add_argument("--mooncake-attention", choices=["mha", "mla"], default="mha",
+                   help="Attention kind, which decides the Mooncake key layout of a page (mha: _k/_v per TP rank; "
+                        "mla: one __k key).")
+    b.add_argument("--mooncake-key-prefix", default="", help="Prefix SGLang puts before Mooncake keys, if any.")
+    b.add_argument("--heartbeat", type=_positive_float, default=2.0, dest="heartbeat_s",
+                   help="Seconds between announcements (metadata + lease renewal).")
+    b.add_argument("--lease-ttl", type=_positive_float, default=10.0, dest="lease_ttl_s",
+                   help="Seconds a worker stays live without a heartbeat; then its pages are removed.")
+    b.add_argument("--max-batches-per-message", type=_positive_int, default=512,
+                   help="Engine batches a burst may merge into one NATS message.")
+    b.add_argument("--max-pages-per-message", type=_positive_int, default=16384,
+                   help="Page transitions per NATS message before it is split (keeps messages under 1 MB).")
+    b.add_argument("--drop-token-ids", action="store_true",
+                   help="Do not forward token ids of stored pages (smaller messages; disables hash validation).")
+    _add_stream_flags(b)
+    _add_common(b)
+
+    p = sub.add_parser("processor", help="Apply tier events from JetStream to Redis, in order, exactly once.",
+                       description="Durable JetStream consumer that keeps each worker's pages per tier in Redis. Run "
+                                   "several with disjoint --partitions to share the work; a worker's events always "
+                                   "belong to one partition, so they stay in order.")
+    p.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
+    p.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0.")
+    p.add_argument("--partitions", type=_partition_list, default=None,
+                   help="Partitions this processor owns: 'all' (default), or a list like 0-3,6.")
+    p.add_argument("--durable-prefix", default="kvtier-processor",
+                   help="Durable consumer name prefix; partition k uses <prefix>-p<k>.")
+    p.add_argument("--fetch-batch", type=_positive_int, default=256, help="Messages fetched (and pipelined) at once.")
+    p.add_argument("--gap-timeout", type=_positive_float, default=10.0, dest="gap_timeout_s",
+                   help="Seconds to wait for a missing batch before the worker is cleared, marked stale and asked "
+                        "to resync.")
+    p.add_argument("--ack-wait", type=_positive_float, default=30.0, dest="ack_wait_s",
+                   help="JetStream ack wait of the consumers (redelivery delay of unacked messages).")
+    p.add_argument("--reap-interval", type=_positive_float, default=1.0, dest="reap_interval_s",
+                   help="Seconds between lease-expiry sweeps.")
+    _add_stream_flags(p)
+    _add_common(p)
+
+    s = sub.add_parser("servers", help="Run embedded nats-server (JetStream) and Redis-protocol servers.",
+                       description="Start nats-server with JetStream and a Redis-protocol server on loopback, print "
+                                   "their URLs, and stop both on Ctrl-C/SIGTERM.")
+    s.add_argument("--nats-port", type=int, default=0, help="NATS port (0: a free one).")
+    s.add_argument("--redis-port", type=int, default=0, help="Redis port (0: a free one).")
+    _add_common(s)
+
+    d = sub.add_parser("demo", help="Run the whole pipeline on embedded servers and show per-tier state.")
+    d.add_argument("--workers", type=_positive_int, default=3, help="Simulated SGLang publishers.")
+    d.add_argument("--batches", type=_positive_int, default=200, help="Engine batches each worker emits.")
+    _add_common(d)
+
+    bench = sub.add_parser("bench", help="Benchmarks (results go to BENCHMARKS.md).")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_EnvDefaults)
+    ingest = bench_sub.add_parser("ingest", help="Processor ingest: transitions/s NATS->Redis and event->visible lag.",
+                                  description="Publishes pre-built kvtier batches to an embedded JetStream, runs one "
+                                              "processor process, and measures block transitions applied per second "
+                                              "end to end, then event->visible lag at half that rate.")
+    ingest.add_argument("--transitions", type=_positive_int, default=2_000_000,
+                        help="Transitions in the throughput phase.")
+    ingest.add_argument("--workers", type=_positive_int, default=16, help="Simulated workers.")
+    ingest.add_argument("--pages-per-event", type=_positive_int, default=16, help="Hashes per stored/removed event.")
+    ingest.add_argument("--events-per-message", type=_positive_int, default=32,
+                        help="Events per NATS message (the bridge's batching).")
+    ingest.add_argument("--lag-seconds", type=_positive_float, default=10.0, help="Duration of the lag phase.")
+    ingest.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(ingest)
+    return parser
+
+
+def _setup(args) -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+
+
+def _run_until_signal(main) -> None:
+    """Run an async main(stop_event) until it returns or SIGTERM/SIGINT sets the event."""
+    try:
+        import uvloop  # type: ignore
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def runner():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup(args)
+    try:
+        if args.command == "bridge":
+            from kvtier.producers.bridge import BridgeConfig, run_bridge
+
+            streams, explicit = _stream_settings(args)
+            config = BridgeConfig(
+                endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
+                worker_id=args.worker_id, model=args.model, page_size=args.page_size, nats_url=args.nats,
+                dp_size=args.dp_size, tp_size=args.tp_size, pp_size=args.pp_size,
+                mooncake_attention=args.mooncake_attention, mooncake_key_prefix=args.mooncake_key_prefix,
+                heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s,
+                max_batches_per_message=args.max_batches_per_message,
+                max_pages_per_message=args.max_pages_per_message, keep_token_ids=not args.drop_token_ids,
+                streams=streams, partitions_explicit=explicit,
+            )
+            _run_until_signal(lambda stop: run_bridge(config, stop))
+        elif args.command == "processor":
+            from kvtier.consumers.processor import Processor, ProcessorConfig
+
+            streams, explicit = _stream_settings(args)
+            config = ProcessorConfig(
+                nats_url=args.nats, redis_url=args.redis, partitions=args.partitions,
+                durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s,
+                ack_wait_s=args.ack_wait_s, reap_interval_s=args.reap_interval_s, streams=streams,
+                partitions_explicit=explicit,
+            )
+            _run_until_signal(lambda stop: Processor(config).run(stop))
+        elif args.command == "servers":
+            from kvtier.embedded import NatsServer, RedisServer
+
+            async def serve(stop):
+                with NatsServer(port=args.nats_port) as nats_server, RedisServer(port=args.redis_port) as redis_server:
+                    print(f"NATS  {nats_server.url}  (pid {nats_server.pid})")
+                    print(f"Redis {redis_server.url}  (pid {redis_server.pid})", flush=True)
+                    await stop.wait()
+
+            _run_until_signal(serve)
+        elif args.command == "demo":
+            from kvtier.demo import run_demo
+
+            return run_demo(args)
+        elif args.command == "bench" and args.bench == "ingest":
+            from kvtier.bench.ingest import run_ingest_bench
+
+            return run_ingest_bench(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a CLI reports errors as one clear line
+        from kvtier.errors import user_facing
+
+        message = user_facing(exc)
+        if message is None:
+            raise
+        print(f"kvtier {args.command}: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

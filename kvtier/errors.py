@@ -1,0 +1,26 @@
+"""Errors a user can act on, turned into one clear line instead of a traceback."""
+
+from __future__ import annotations
+
+import errno
+
+
+def user_facing(exc: BaseException) -> str | None:
+    from kvtier.embedded import MissingServerBinary, ServerStartError
+    from kvtier.streams import StreamMismatch
+
+    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, ValueError)):
+        return str(exc)
+    try:
+        import redis
+
+        if isinstance(exc, redis.ConnectionError):
+            return f"cannot reach Redis: {exc}"
+    except ImportError:
+        pass
+    if isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.EADDRINUSE):
+        return str(exc)
+    name = type(exc).__name__
+    if name in ("NoServersError",):
+        return "cannot reach NATS (no servers available); check --nats"
+    return None

@@ -1,0 +1,98 @@
+"""JetStream streams kvtier uses, created idempotently by whichever part starts first.
+
+KVTIER_EVENTS holds `kvtier.events.<model>.<worker>`; its subject transform appends a
+partition token computed by the server from (model, worker), so processors can split the
+work by partition while publishers stay unaware of the partition count.
+KVTIER_DLQ holds dead letters (`kvtier.dlq.<stage>.<model>.<worker>`) with their reason in
+the `Kvtier-Reason` header: bad input is kept, never dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, SubjectTransform
+
+from kvtier.schemas.subjects import (
+    DLQ_PREFIX,
+    DLQ_STREAM,
+    EVENTS_PREFIX,
+    EVENTS_STREAM,
+    partition_transform_dest,
+)
+
+DEFAULT_PARTITIONS = 8
+_PARTITION_RE = re.compile(r"partition\((\d+)")
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    partitions: int = DEFAULT_PARTITIONS
+    max_age_s: float = 24 * 3600.0
+    max_bytes: int = -1
+    replicas: int = 1
+    duplicate_window_s: float = 120.0
+    file_storage: bool = True
+
+
+class StreamMismatch(RuntimeError):
+    pass
+
+
+def partitions_of(config: StreamConfig) -> int:
+    transform = config.subject_transform
+    match = _PARTITION_RE.search(transform.dest) if transform and transform.dest else None
+    if not match:
+        raise StreamMismatch(
+            f"stream {config.name} exists without kvtier's partition transform; delete it or "
+            "point kvtier at another NATS account"
+        )
+    return int(match.group(1))
+
+
+async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
+                         partitions_explicit: bool = False) -> int:
+    """Create the events and dead-letter streams if missing; return the partition count in
+    force. An existing stream's partition count wins unless the caller asked for another
+    one explicitly, which is an error (re-partitioning would reorder a worker's events)."""
+    storage = StorageType.FILE if settings.file_storage else StorageType.MEMORY
+    events = StreamConfig(
+        name=EVENTS_STREAM,
+        subjects=[f"{EVENTS_PREFIX}.*.*"],
+        subject_transform=SubjectTransform(src=f"{EVENTS_PREFIX}.*.*",
+                                           dest=partition_transform_dest(settings.partitions)),
+        retention=RetentionPolicy.LIMITS,
+        discard=DiscardPolicy.OLD,
+        max_age=settings.max_age_s,
+        max_bytes=settings.max_bytes,
+        storage=storage,
+        num_replicas=settings.replicas,
+        duplicate_window=settings.duplicate_window_s,
+        allow_direct=True,
+    )
+    try:
+        info = await js.stream_info(EVENTS_STREAM)
+    except nats.js.errors.NotFoundError:
+        try:
+            info = await js.add_stream(events)
+        except nats.js.errors.BadRequestError:
+            info = await js.stream_info(EVENTS_STREAM)  # another process created it first
+    existing = partitions_of(info.config)
+    if partitions_explicit and existing != settings.partitions:
+        raise StreamMismatch(
+            f"stream {EVENTS_STREAM} has {existing} partitions, but {settings.partitions} were "
+            "requested; drop the flag to use the existing count"
+        )
+    dlq = StreamConfig(name=DLQ_STREAM, subjects=[f"{DLQ_PREFIX}.>"], retention=RetentionPolicy.LIMITS,
+                       max_age=7 * 24 * 3600.0, storage=storage, num_replicas=settings.replicas)
+    try:
+        await js.stream_info(DLQ_STREAM)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(dlq)
+        except nats.js.errors.BadRequestError:
+            pass
+    return existing

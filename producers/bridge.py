@@ -1,0 +1,423 @@
+"""`kvtier bridge`: one SGLang worker's ZMQ KV events -> kvtier batches on NATS JetStream.
+
+Per DP rank (port base + r) one `RankBridge` keeps the worker's order end to end:
+- every engine batch is forwarded once, in engine seq order, inside gap-free (epoch, seq)
+  kvtier batches published one at a time with `Nats-Msg-Id = worker:epoch:seq`;
+- a seq gap is filled from SGLang's replay socket; if the buffer no longer has it, or the
+  engine restarted (seq went back), a new epoch begins, which clears the worker's state
+  downstream, and the replay buffer is forwarded to rebuild as much as it holds;
+- a restarted bridge continues the old epoch when the engine's replay buffer still holds
+  the last batch it forwarded (same seq, same ts): no state is dropped for a bridge restart;
+- a heartbeat announces metadata and extends the worker's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import zmq.asyncio
+from prometheus_client import Counter, Gauge
+
+from kvtier.producers.convert import convert_batch
+from kvtier.producers.sglang_source import (
+    RawBatch,
+    ReplayClient,
+    ReplayError,
+    SglangSubscriber,
+    SourceSequencer,
+    parse_pub_frames,
+)
+from kvtier.schemas.events import (
+    BridgeCursor,
+    EpochReason,
+    EventBatch,
+    TierEvent,
+    WorkerAnnounce,
+    decode_message,
+    encode_message,
+)
+from kvtier.schemas.sglang import MalformedBatch, decode_payload
+from kvtier.schemas.subjects import (
+    EVENTS_STREAM,
+    control_subject,
+    dlq_subject,
+    events_subject,
+    stored_events_subject_pattern,
+)
+from kvtier.schemas.worker import WorkerMetadata
+from kvtier.streams import StreamSettings, ensure_streams
+
+log = logging.getLogger("kvtier.bridge")
+
+BATCHES = Counter("kvtier_bridge_engine_batches_total", "Engine batches received", ["worker", "outcome"])
+PUBLISHED = Counter("kvtier_bridge_published_messages_total", "kvtier batches published to JetStream", ["worker"])
+EVENTS = Counter("kvtier_bridge_events_total", "Tier events forwarded", ["worker"])
+GAPS = Counter("kvtier_bridge_gaps_total", "Engine seq gaps", ["worker", "recovered"])
+EPOCHS = Counter("kvtier_bridge_epochs_total", "New epochs begun", ["worker", "reason"])
+DEAD_LETTERS = Counter("kvtier_bridge_dead_letters_total", "Engine input dead-lettered", ["worker"])
+PUBLISH_RETRIES = Counter("kvtier_bridge_publish_retries_total", "JetStream publish retries", ["worker"])
+LAST_SEQ = Gauge("kvtier_bridge_last_engine_seq", "Last engine seq forwarded", ["worker"])
+
+
+@dataclass
+class BridgeConfig:
+    endpoint: str
+    worker_id: str
+    model: str
+    page_size: int
+    nats_url: str
+    replay_endpoint: str = ""
+    topic: str = ""
+    dp_rank: int = 0
+    dp_size: int = 1
+    engine_worker_id: str = ""
+    tp_size: int = 1
+    pp_size: int = 1
+    mooncake_attention: str = "mha"
+    mooncake_key_prefix: str = ""
+    heartbeat_s: float = 2.0
+    lease_ttl_s: float = 10.0
+    max_batches_per_message: int = 512
+    max_pages_per_message: int = 16384
+    keep_token_ids: bool = True
+    replay_timeout_s: float = 3.0
+    resync_min_interval_s: float = 2.0
+    streams: StreamSettings = field(default_factory=StreamSettings)
+    partitions_explicit: bool = False
+
+    def metadata(self) -> WorkerMetadata:
+        from kvtier.schemas.worker import AttentionKind, MooncakeLayout
+
+        return WorkerMetadata(
+            worker_id=self.worker_id, model=self.model,
+            engine_worker_id=self.engine_worker_id or self.worker_id,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, page_size=self.page_size,
+            tp_size=self.tp_size, pp_size=self.pp_size,
+            mooncake=MooncakeLayout(attention=AttentionKind(self.mooncake_attention), tp_size=self.tp_size,
+                                    pp_size=self.pp_size, key_prefix=self.mooncake_key_prefix),
+            kv_events_endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
+        )
+
+
+class RankBridge:
+    def __init__(self, config: BridgeConfig, nc, zctx: zmq.asyncio.Context):
+        self.cfg = config
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.zctx = zctx
+        self.subject = events_subject(config.model, config.worker_id)
+        self.metadata = config.metadata()
+        self.sequencer = SourceSequencer()
+        self.replay = ReplayClient(zctx, config.replay_endpoint, config.replay_timeout_s) if config.replay_endpoint else None
+        self.epoch = 0
+        self.seq = 0
+        self.pending_reason: EpochReason | None = None
+        self.source_seq_last = -1
+        self.source_ts_last = 0.0
+        self.lock = asyncio.Lock()
+        self.stopping = asyncio.Event()
+        self._last_resync = 0.0
+        self._label = config.worker_id
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def run(self) -> None:
+        sub = SglangSubscriber(self.zctx, self.cfg.endpoint, self.cfg.topic)
+        control = await self.nc.subscribe(control_subject(self.cfg.model, self.cfg.worker_id), cb=self._on_control)
+        try:
+            async with self.lock:
+                await self._start(await self._load_cursor())
+                await self._announce()
+            tasks = [asyncio.create_task(self._live(sub)), asyncio.create_task(self._heartbeat())]
+            await self.stopping.wait()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await control.unsubscribe()
+            sub.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def _load_cursor(self) -> BridgeCursor | None:
+        try:
+            last = await self.js.get_last_msg(EVENTS_STREAM, stored_events_subject_pattern(self.cfg.model, self.cfg.worker_id))
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            message = decode_message(last.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            return None
+        if isinstance(message, WorkerAnnounce):
+            return message.cursor
+        return BridgeCursor(epoch=message.epoch, seq=message.seq, source_seq_last=message.source_seq_last,
+                            source_ts_last=message.source_ts_last)
+
+    async def _start(self, cursor: BridgeCursor | None) -> None:
+        buffered = await self._replay_from(0) if self.replay else None
+        if cursor is not None and buffered and cursor.source_seq_last >= 0:
+            tail = _after_matching(buffered, cursor.source_seq_last, cursor.source_ts_last)
+            if tail is not None:
+                self.epoch, self.seq = cursor.epoch, cursor.seq
+                self.source_seq_last, self.source_ts_last = cursor.source_seq_last, cursor.source_ts_last
+                self.sequencer.accepted(cursor.source_seq_last, cursor.source_ts_last)
+                log.info("%s: resuming epoch %d at seq %d (engine seq %d)", self._label, self.epoch, self.seq,
+                         cursor.source_seq_last)
+                await self._forward(tail)
+                return
+        self._begin_epoch(EpochReason.BRIDGE_START, cursor)
+        await self._forward(buffered or [])
+        if self.pending_reason is not None:
+            await self._publish_events([], None)  # announce the epoch now: clears stale state
+
+    def _begin_epoch(self, reason: EpochReason, cursor: BridgeCursor | None = None) -> None:
+        floor = max(self.epoch, cursor.epoch if cursor else 0)
+        self.epoch = max(int(time.time() * 1000), floor + 1)
+        self.seq = 0
+        self.pending_reason = reason
+        self.sequencer.reset()
+        self.source_seq_last, self.source_ts_last = -1, 0.0
+        EPOCHS.labels(self._label, reason.value).inc()
+        log.warning("%s: new epoch %d (%s)", self._label, self.epoch, reason.value)
+
+    async def _replay_from(self, start: int) -> list[RawBatch] | None:
+        assert self.replay is not None
+        try:
+            return await self.replay.fetch(start)
+        except ReplayError as exc:
+            log.warning("%s: replay failed: %s", self._label, exc)
+            return None
+
+    # --- live path ------------------------------------------------------------------------
+    async def _live(self, sub: SglangSubscriber) -> None:
+        while not self.stopping.is_set():
+            messages = await sub.receive(self.cfg.max_batches_per_message)
+            raws: list[RawBatch] = []
+            for frames in messages:
+                try:
+                    raws.append(parse_pub_frames(frames))
+                except MalformedBatch as exc:
+                    await self._dead_letter(b"".join(frames), f"bad ZMQ frames: {exc}")
+            async with self.lock:
+                await self._forward(raws)
+
+    async def _forward(self, raws: list[RawBatch]) -> None:
+        """Forward engine batches in order, handling duplicates, gaps and restarts."""
+        ready: list[tuple[RawBatch, object]] = []
+        index = 0
+        while index < len(raws):
+            raw = raws[index]
+            decoded, ts = _decode(raw)
+            verdict = self.sequencer.classify(raw.seq, ts)
+            if verdict == SourceSequencer.DUPLICATE:
+                BATCHES.labels(self._label, "duplicate").inc()
+                index += 1
+                continue
+            if verdict == SourceSequencer.ACCEPT:
+                ready.append((raw, decoded))
+                self.sequencer.accepted(raw.seq, ts)
+                index += 1
+                continue
+            await self._flush(ready)
+            ready = []
+            if verdict == SourceSequencer.GAP:
+                missing_from = self.sequencer.expected
+                filled = await self._replay_from(missing_from) if self.replay else None
+                if filled and filled[0].seq == missing_from:
+                    GAPS.labels(self._label, "true").inc()
+                    log.info("%s: gap at engine seq %d..%d recovered from replay", self._label, missing_from, raw.seq - 1)
+                    # replayed batches come first; the live ones follow and dedupe by (seq, ts)
+                    raws = filled + raws[index:]
+                    index = 0
+                    continue
+                GAPS.labels(self._label, "false").inc()
+                self._begin_epoch(EpochReason.UNRECOVERED_GAP)
+            else:
+                self._begin_epoch(EpochReason.PUBLISHER_RESTART)
+            rebuilt = await self._replay_from(0) if self.replay else None
+            raws = (rebuilt or []) + raws[index:]
+            index = 0
+        await self._flush(ready)
+
+    async def _flush(self, ready: list[tuple[RawBatch, object]]) -> None:
+        if not ready:
+            return
+        events: list[TierEvent] = []
+        first_ts: float | None = None
+        for raw, decoded in ready:
+            if isinstance(decoded, str):
+                BATCHES.labels(self._label, "dead_letter").inc()
+                await self._dead_letter(raw.payload, decoded, raw.seq)
+                continue
+            BATCHES.labels(self._label, "forwarded").inc()
+            converted = convert_batch(decoded, self.cfg.keep_token_ids)
+            for bad, reason in converted.rejected:
+                await self._dead_letter(bad, reason, raw.seq)
+            events.extend(converted.events)
+            first_ts = decoded.ts if first_ts is None else first_ts
+        last_raw, last_decoded = ready[-1]
+        self.source_seq_last = last_raw.seq
+        self.source_ts_last = last_decoded.ts if not isinstance(last_decoded, str) else 0.0
+        LAST_SEQ.labels(self._label).set(last_raw.seq)
+        first_seq = ready[0][0].seq
+        await self._publish_events(events, first_ts, first_seq)
+
+    async def _publish_events(self, events: list[TierEvent], source_ts: float | None, first_seq: int = -1) -> None:
+        chunks = _chunk_by_pages(events, self.cfg.max_pages_per_message) or [[]]
+        for chunk in chunks:
+            self.seq += 1
+            batch = EventBatch(
+                worker_id=self.cfg.worker_id, model=self.cfg.model, dp_rank=self.cfg.dp_rank,
+                epoch=self.epoch, seq=self.seq, ts=time.time(), source_ts=source_ts or time.time(),
+                source_seq_first=first_seq, source_seq_last=self.source_seq_last,
+                source_ts_last=self.source_ts_last, epoch_reason=self.pending_reason, events=chunk,
+            )
+            self.pending_reason = None
+            await self._publish(self.subject, encode_message(batch), {"Nats-Msg-Id": batch.msg_id})
+            PUBLISHED.labels(self._label).inc()
+            EVENTS.labels(self._label).inc(len(chunk))
+
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        """Publish and wait for the stream's ack, retrying forever (same Nats-Msg-Id, so a
+        retry after a lost ack is dropped as a duplicate by the broker): order is kept
+        because nothing later is published before this one is stored."""
+        delay = 0.05
+        while True:
+            try:
+                await self.js.publish(subject, data, headers=headers, timeout=5.0)
+                return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+                    nats.js.errors.APIError, nats.errors.ConnectionReconnectingError) as exc:
+                if self.stopping.is_set() and isinstance(exc, nats.errors.ConnectionClosedError):
+                    raise
+                PUBLISH_RETRIES.labels(self._label).inc()
+                log.warning("%s: publish to %s failed (%s); retrying in %.2fs", self._label, subject, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _dead_letter(self, data: bytes, reason: str, engine_seq: int | None = None) -> None:
+        DEAD_LETTERS.labels(self._label).inc()
+        log.warning("%s: dead-lettered engine input (seq %s): %s", self._label, engine_seq, reason)
+        headers = {"Kvtier-Reason": reason[:1024], "Kvtier-Stage": "bridge", "Kvtier-Worker": self.cfg.worker_id,
+                   "Kvtier-Model": self.cfg.model}
+        if engine_seq is not None:
+            headers["Kvtier-Engine-Seq"] = str(engine_seq)
+        await self._publish(dlq_subject("bridge", self.cfg.model, self.cfg.worker_id), data, headers)
+
+    # --- lease, metadata, control ---------------------------------------------------------
+    async def _announce(self) -> None:
+        announce = WorkerAnnounce(
+            metadata=self.metadata, ts=time.time(), lease_ttl_s=self.cfg.lease_ttl_s,
+            cursor=BridgeCursor(epoch=self.epoch, seq=self.seq, source_seq_last=self.source_seq_last,
+                                source_ts_last=self.source_ts_last),
+        )
+        await self._publish(self.subject, encode_message(announce))
+
+    async def _heartbeat(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            async with self.lock:
+                await self._announce()
+
+    async def _on_control(self, msg) -> None:
+        request = msgspec.json.decode(msg.data) if msg.data else {}
+        if not isinstance(request, dict) or request.get("request") != "resync":
+            log.warning("%s: ignoring unknown control message %r", self._label, msg.data[:200])
+            return
+        now = time.monotonic()
+        if now - self._last_resync < self.cfg.resync_min_interval_s:
+            return
+        self._last_resync = now
+        log.warning("%s: resync requested (%s)", self._label, request.get("reason", ""))
+        async with self.lock:
+            self._begin_epoch(EpochReason.RESYNC_REQUESTED)
+            rebuilt = await self._replay_from(0) if self.replay else None
+            await self._forward(rebuilt or [])
+            if self.pending_reason is not None:
+                await self._publish_events([], None)
+
+
+def _decode(raw: RawBatch):
+    """(decoded batch or the reason it is malformed, engine ts or None)."""
+    try:
+        decoded = decode_payload(raw.payload)
+        return decoded, decoded.ts
+    except MalformedBatch as exc:
+        return str(exc), None
+
+
+def _after_matching(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBatch] | None:
+    """Batches after (seq, ts) if the buffer holds exactly that batch, else None."""
+    for i, raw in enumerate(buffered):
+        if raw.seq == seq:
+            decoded, raw_ts = _decode(raw)
+            return buffered[i + 1:] if raw_ts == ts else None
+    return None
+
+
+def _chunk_by_pages(events: list[TierEvent], max_pages: int) -> list[list[TierEvent]]:
+    chunks: list[list[TierEvent]] = []
+    current: list[TierEvent] = []
+    pages = 0
+    for event in events:
+        size = len(getattr(event, "hashes", ())) or 1
+        if current and pages + size > max_pages:
+            chunks.append(current)
+            current, pages = [], 0
+        current.append(event)
+        pages += size
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def rank_configs(base: BridgeConfig) -> list[BridgeConfig]:
+    """One config per DP rank: rank r listens on the endpoint's port + r (SGLang's rule)."""
+    if base.dp_size == 1:
+        return [base]
+    from dataclasses import replace
+
+    configs = []
+    for rank in range(base.dp_size):
+        configs.append(replace(
+            base, dp_rank=rank, worker_id=f"{base.worker_id}-dp{rank}", engine_worker_id=base.worker_id,
+            endpoint=_port_plus(base.endpoint, rank),
+            replay_endpoint=_port_plus(base.replay_endpoint, rank) if base.replay_endpoint else "",
+        ))
+    return configs
+
+
+def _port_plus(endpoint: str, offset: int) -> str:
+    head, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} has no numeric port to offset for DP ranks")
+    return f"{head}:{int(port) + offset}"
+
+
+async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:
+    nc = await nats.connect(config.nats_url, name=f"kvtier-bridge-{config.worker_id}", max_reconnect_attempts=-1,
+                            reconnect_time_wait=0.5)
+    zctx = zmq.asyncio.Context()
+    try:
+        await ensure_streams(nc.jetstream(), config.streams, partitions_explicit=config.partitions_explicit)
+        bridges = [RankBridge(c, nc, zctx) for c in rank_configs(config)]
+        runs = [asyncio.create_task(b.run()) for b in bridges]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *runs], return_when=asyncio.FIRST_COMPLETED)
+        for bridge in bridges:
+            bridge.stop()
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        stopper.cancel()
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
+    finally:
+        await nc.drain()
+        zctx.term()

@@ -1,0 +1,54 @@
+"""SGLang events -> kvtier tier events. Pure: no I/O, so the bridge, the simulator and the
+tests share it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvtier.schemas.events import AllCleared, PagesRemoved, PagesStored, TierEvent
+from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvtier.schemas.tiers import UnknownMedium, tier_of_medium
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass
+class Converted:
+    events: list[TierEvent] = field(default_factory=list)
+    #: (raw msgpack of the bad event, reason) for events that cannot be applied.
+    rejected: list[tuple[bytes, str]] = field(default_factory=list)
+
+
+def convert_batch(batch: DecodedBatch, keep_token_ids: bool = True) -> Converted:
+    out = Converted(rejected=[(raw, reason) for _index, raw, reason in batch.rejected])
+    for index, event in enumerate(batch.events):
+        try:
+            out.events.append(_convert_event(event, keep_token_ids))
+        except ValueError as exc:
+            out.rejected.append((_encode(event), f"event {index}: {exc}"))
+    return out
+
+
+def _convert_event(event, keep_token_ids: bool) -> TierEvent:
+    if isinstance(event, BlockStored):
+        if event.block_size <= 0:
+            raise ValueError(f"page size (block_size) must be positive, got {event.block_size}")
+        tier = tier_of_medium(event.medium)
+        return PagesStored(
+            tier=tier,
+            hashes=event.block_hashes,
+            parent=event.parent_block_hash,
+            page_size=event.block_size,
+            token_ids=event.token_ids if keep_token_ids else [],
+            lora_id=event.lora_id,
+        )
+    if isinstance(event, BlockRemoved):
+        return PagesRemoved(tier=tier_of_medium(event.medium), hashes=event.block_hashes)
+    if isinstance(event, AllBlocksCleared):
+        return AllCleared()
+    raise ValueError(f"unsupported event type {type(event).__name__}")
+
+
+__all__ = ["Converted", "convert_batch", "UnknownMedium"]

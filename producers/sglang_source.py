@@ -1,0 +1,136 @@
+"""ZMQ side of the bridge: SGLang's PUB socket and its ROUTER replay socket."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvtier.schemas.sglang import SEQ_BYTES, MalformedBatch, decode_seq, encode_seq
+
+
+@dataclass(frozen=True)
+class RawBatch:
+    seq: int
+    payload: bytes
+
+
+def parse_pub_frames(frames: list[bytes]) -> RawBatch:
+    """PUB message: [topic, seq, payload]."""
+    if len(frames) != 3:
+        raise MalformedBatch(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    return RawBatch(decode_seq(frames[1]), frames[2])
+
+
+class SglangSubscriber:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, topic: str = "", hwm: int = 100_000):
+        self.socket = ctx.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.RCVHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.socket.connect(endpoint)
+
+    async def receive(self, max_messages: int) -> list[list[bytes]]:
+        """Wait for one message, then take whatever else is already queued (up to a bound),
+        so a burst leaves as one NATS message instead of hundreds."""
+        messages = [await self.socket.recv_multipart()]
+        while len(messages) < max_messages:
+            try:
+                messages.append(await self.socket.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return messages
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+class ReplayClient:
+    """Asks SGLang's replay socket for every buffered batch with seq >= start.
+
+    Request `[b"", start_seq]` from a DEALER; replies `[b"", topic, seq, payload]`
+    (`[b"", seq, payload]` before 0.5.22) per batch, then an end marker with seq -1.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, timeout_s: float = 3.0):
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+
+    async def fetch(self, start_seq: int) -> list[RawBatch]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        try:
+            await sock.send_multipart([b"", encode_seq(max(start_seq, 0))])
+            batches: list[RawBatch] = []
+            while True:
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise ReplayError(f"no complete answer from replay socket {self.endpoint} within {self.timeout_s}s") from None
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                seq_frame, payload = _split_replay(frames)
+                seq = decode_seq(seq_frame)
+                if seq < 0:
+                    return batches
+                batches.append(RawBatch(seq, payload))
+        finally:
+            sock.close(0)
+
+
+def _split_replay(frames: list[bytes]) -> tuple[bytes, bytes]:
+    if len(frames) == 3:  # topic, seq, payload (>= 0.5.22)
+        return frames[1], frames[2]
+    if len(frames) == 2:  # seq, payload
+        return frames[0], frames[1]
+    raise ReplayError(f"unexpected replay reply with {len(frames)} frames")
+
+
+class SourceSequencer:
+    """Decides what an incoming engine seq means. Pure bookkeeping, no I/O.
+
+    The engine numbers batches from 0 and restarts at 0 with a new process. A seq below the
+    expected one is either a batch we already forwarded (seen again after a replay: same seq,
+    same ts) or a restarted engine (anything else)."""
+
+    ACCEPT, DUPLICATE, GAP, RESTART = "accept", "duplicate", "gap", "restart"
+
+    def __init__(self, remember: int = 8192):
+        self.expected: int | None = None
+        self._recent: OrderedDict[int, float | None] = OrderedDict()
+        self._remember = remember
+
+    def classify(self, seq: int, ts: float | None) -> str:
+        if self.expected is None or seq == self.expected:
+            return self.ACCEPT
+        if seq > self.expected:
+            return self.GAP
+        if seq in self._recent and self._recent[seq] == ts:
+            return self.DUPLICATE
+        return self.RESTART
+
+    def accepted(self, seq: int, ts: float | None) -> None:
+        self.expected = seq + 1
+        self._recent[seq] = ts
+        while len(self._recent) > self._remember:
+            self._recent.popitem(last=False)
+
+    def reset(self) -> None:
+        self.expected = None
+        self._recent.clear()
+
+    def seen(self, seq: int, ts: float | None) -> bool:
+        return seq in self._recent and self._recent[seq] == ts
+
+
+__all__ = ["RawBatch", "SglangSubscriber", "ReplayClient", "ReplayError", "SourceSequencer",
+           "parse_pub_frames", "SEQ_BYTES"]

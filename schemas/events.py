@@ -1,0 +1,127 @@
+"""kvtier's own messages on NATS JetStream (subject `kvtier.events.<model>.<worker>`).
+
+Two kinds share a worker's subject, told apart by the "kind" tag:
+- `EventBatch`: tier transitions in the worker's order, numbered by (epoch, seq) without gaps.
+- `WorkerAnnounce`: metadata + lease heartbeat + the bridge's cursor (for a restarted bridge).
+
+Forward compatibility: unknown fields are ignored; a message whose major version `v` is
+newer than `SCHEMA_VERSION` is refused with a clear reason (dead-lettered), never guessed at.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Union
+
+import msgspec
+
+from .hashes import WireBlockHash
+from .tiers import Tier
+from .worker import WorkerMetadata
+
+SCHEMA_VERSION = 1
+
+Seq = Annotated[int, msgspec.Meta(ge=1)]
+Epoch = Annotated[int, msgspec.Meta(ge=1)]
+PageSize = Annotated[int, msgspec.Meta(gt=0)]
+Timestamp = Annotated[float, msgspec.Meta(ge=0)]
+# NaN is refused because a comparison with it is always false (ge=0 rejects NaN too).
+
+
+class EpochReason(str, enum.Enum):
+    """Why a bridge began a new epoch (the processor clears the worker's state on it)."""
+
+    BRIDGE_START = "bridge_start"  # could not prove continuity with the stream's last cursor
+    PUBLISHER_RESTART = "publisher_restart"  # SGLang's seq went back: a new engine process
+    UNRECOVERED_GAP = "unrecovered_gap"  # missed batches no longer in SGLang's replay buffer
+    RESYNC_REQUESTED = "resync_requested"  # a processor found the state incomplete
+
+
+class PagesStored(msgspec.Struct, tag="stored", array_like=True):
+    tier: Tier
+    hashes: list[WireBlockHash]
+    parent: Union[WireBlockHash, None] = None
+    page_size: PageSize = 1
+    #: Tokens of the stored pages when the engine sent them (kept for hash validation).
+    token_ids: list[int] = []
+    lora_id: Union[int, None] = None
+
+
+class PagesRemoved(msgspec.Struct, tag="removed", array_like=True):
+    tier: Tier
+    hashes: list[WireBlockHash]
+
+
+class AllCleared(msgspec.Struct, tag="cleared", array_like=True):
+    pass
+
+
+TierEvent = Union[PagesStored, PagesRemoved, AllCleared]
+
+
+class EventBatch(msgspec.Struct, tag_field="kind", tag="batch", kw_only=True):
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    model: str
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    epoch: Epoch
+    seq: Seq
+    #: When the bridge published (unix seconds).
+    ts: Timestamp
+    #: When the engine emitted the first included batch (unix seconds): lag is measured from it.
+    source_ts: Timestamp
+    #: SGLang seq numbers of the first and last included engine batches.
+    source_seq_first: int = -1
+    source_seq_last: int = -1
+    #: The engine's timestamp of the last included batch: with source_seq_last it identifies
+    #: that batch in the engine's replay buffer, which lets a restarted bridge prove continuity.
+    source_ts_last: float = 0.0
+    #: Set on the first batch of an epoch.
+    epoch_reason: Union[EpochReason, None] = None
+    events: list[TierEvent] = []
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.worker_id}:{self.epoch}:{self.seq}"
+
+
+class BridgeCursor(msgspec.Struct, kw_only=True):
+    """Where a bridge stands: enough for a restarted bridge to prove it can continue."""
+
+    epoch: int
+    seq: int
+    source_seq_last: int = -1
+    source_ts_last: float = 0.0
+
+
+class WorkerAnnounce(msgspec.Struct, tag_field="kind", tag="announce", kw_only=True):
+    v: int = SCHEMA_VERSION
+    metadata: WorkerMetadata
+    ts: Timestamp
+    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    cursor: BridgeCursor
+
+
+StreamMessage = Union[EventBatch, WorkerAnnounce]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StreamMessage)
+
+
+class UnsupportedVersion(ValueError):
+    pass
+
+
+def encode_message(message: StreamMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_message(data: bytes) -> StreamMessage:
+    """Decode a stream message; raises msgspec.DecodeError/ValidationError or
+    UnsupportedVersion, each with a message that says what is wrong and where."""
+    message = _decoder.decode(data)
+    if message.v > SCHEMA_VERSION:
+        raise UnsupportedVersion(
+            f"message schema v{message.v} is newer than this kvtier (v{SCHEMA_VERSION}); upgrade kvtier"
+        )
+    return message

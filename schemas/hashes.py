@@ -1,0 +1,73 @@
+"""Hash kinds. Each is its own type so a page hash can never be passed where a
+Redis field or a digest is expected (and the type checker says so)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Annotated, NewType, Sequence
+
+import msgspec
+
+#: SGLang's 64-bit page hash as it travels in KV events: signed int64, the first 8 bytes
+#: of the page's sha256 chain digest read big-endian.
+BlockHash = NewType("BlockHash", int)
+
+#: A BlockHash rendered as 16 lowercase hex digits of its unsigned value: the form used in
+#: Redis keys and fields (fixed width, no sign, sortable, cheap to slice inside Lua).
+PageKey = NewType("PageKey", str)
+
+#: The full 32-byte sha256 digest of a page chain; SGLang keys Mooncake objects by its hex.
+PageDigest = NewType("PageDigest", bytes)
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+#: A BlockHash as decoded from the wire: out-of-range values are refused at decode time.
+WireBlockHash = Annotated[BlockHash, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def page_key(block_hash: BlockHash) -> PageKey:
+    return PageKey(format(block_hash & 0xFFFFFFFFFFFFFFFF, "016x"))
+
+
+def page_keys_blob(block_hashes: Sequence[BlockHash]) -> str:
+    """All page keys concatenated (16 hex digits each), the form the apply script reads."""
+    return struct.pack(f">{len(block_hashes)}q", *block_hashes).hex()
+
+
+def block_hash_from_page_key(key: PageKey | str) -> BlockHash:
+    value = int(key, 16)
+    return BlockHash(value - (1 << 64) if value > INT64_MAX else value)
+
+
+def block_hash_of_digest(digest: PageDigest | bytes) -> BlockHash:
+    return BlockHash(struct.unpack(">q", digest[:8])[0])
+
+
+def sglang_page_digests(
+    token_ids: Sequence[int], page_size: int, parent: PageDigest | None = None
+) -> list[PageDigest]:
+    """SGLang (>=0.5.6) page hash chain: digest_i = sha256(digest_{i-1} || tokens as uint32 LE).
+
+    Only full pages are hashed; a trailing partial page has no hash (SGLang never caches it).
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    digests: list[PageDigest] = []
+    previous = parent
+    full = len(token_ids) - len(token_ids) % page_size
+    for start in range(0, full, page_size):
+        h = hashlib.sha256()
+        if previous is not None:
+            h.update(previous)
+        h.update(struct.pack(f"<{page_size}I", *token_ids[start : start + page_size]))
+        previous = PageDigest(h.digest())
+        digests.append(previous)
+    return digests
+
+
+def sglang_block_hashes(
+    token_ids: Sequence[int], page_size: int, parent: PageDigest | None = None
+) -> list[BlockHash]:
+    return [block_hash_of_digest(d) for d in sglang_page_digests(token_ids, page_size, parent)]

@@ -1,0 +1,167 @@
+"""SGLang's KV-event wire format, as published by `ZmqEventPublisher` (sglang 0.5.x).
+
+A ZMQ message is three frames: topic, seq (8 bytes big-endian), payload. The payload is
+msgpack `[ts, [event, ...], attn_dp_rank]`. Events are maps with a "type" key since 0.5.20
+and tagged arrays `["BlockStored", ...]` up to 0.5.19; both decode here. Unknown extra
+fields are ignored so newer engines keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from .hashes import WireBlockHash
+
+SEQ_BYTES = 8
+#: End-of-replay marker: seq -1 as 8-byte signed big-endian.
+REPLAY_END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+# --- map encoding (>= 0.5.20): {"type": "BlockStored", ...} -------------------------------
+class _MapEvent(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+class BlockStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[WireBlockHash]
+    parent_block_hash: Union[WireBlockHash, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+
+
+class BlockRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[WireBlockHash]
+    medium: Union[str, None] = None
+
+
+class AllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+SglangEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+# --- array encoding (<= 0.5.19): ["BlockStored", hashes, parent, tokens, size, lora, medium]
+class _ArrayEvent(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[WireBlockHash]
+    parent_block_hash: Union[WireBlockHash, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+
+
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[WireBlockHash]
+    medium: Union[str, None] = None
+
+
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+_ArrayEventUnion = Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
+
+
+class SglangBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    attn_dp_rank: Union[int, None] = None
+
+
+class DecodedBatch(msgspec.Struct):
+    ts: float
+    attn_dp_rank: Union[int, None]
+    events: list[SglangEvent]
+    #: (index in the batch, raw msgpack of the event, reason) for events that did not decode.
+    rejected: list[tuple[int, bytes, str]]
+
+
+class MalformedBatch(ValueError):
+    pass
+
+
+_batch_decoder = msgspec.msgpack.Decoder(SglangBatch)
+_map_decoder = msgspec.msgpack.Decoder(SglangEvent)
+_array_decoder = msgspec.msgpack.Decoder(_ArrayEventUnion)
+_MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+
+
+def _from_array(event: Any) -> SglangEvent:
+    if isinstance(event, _ArrayBlockStored):
+        return BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+        )
+    if isinstance(event, _ArrayBlockRemoved):
+        return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
+    return AllBlocksCleared()
+
+
+def decode_event(raw: bytes) -> SglangEvent:
+    """Decode one event in either encoding; raises msgspec.DecodeError/ValidationError."""
+    if raw[:1] and raw[0] in _MAP_FIRST_BYTES:
+        return _map_decoder.decode(raw)
+    return _from_array(_array_decoder.decode(raw))
+
+
+def decode_payload(payload: bytes) -> DecodedBatch:
+    """Decode an SGLang payload. A batch that is not `[ts, [..], rank]` raises MalformedBatch;
+    a single bad event inside a good batch is returned in `rejected` (the rest still apply)."""
+    try:
+        batch = _batch_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedBatch(f"not an SGLang event batch: {exc}") from None
+    events: list[SglangEvent] = []
+    rejected: list[tuple[int, bytes, str]] = []
+    for index, raw in enumerate(batch.events):
+        data = bytes(raw)
+        try:
+            events.append(decode_event(data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            rejected.append((index, data, f"event {index}: {exc}"))
+    return DecodedBatch(ts=batch.ts, attn_dp_rank=batch.attn_dp_rank, events=events, rejected=rejected)
+
+
+# --- encoders, for publishers in tests and the simulator ----------------------------------
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_payload(ts: float, events: list[SglangEvent], attn_dp_rank: int | None = None,
+                   array_encoding: bool = False) -> bytes:
+    """Encode a batch the way SGLang does: maps (>=0.5.20) or tagged arrays (<=0.5.19)."""
+    encoded: list[Any] = []
+    for event in events:
+        if not array_encoding:
+            encoded.append(event)
+        elif isinstance(event, BlockStored):
+            encoded.append(["BlockStored", event.block_hashes, event.parent_block_hash,
+                            event.token_ids, event.block_size, event.lora_id, event.medium])
+        elif isinstance(event, BlockRemoved):
+            encoded.append(["BlockRemoved", event.block_hashes, event.medium])
+        else:
+            encoded.append(["AllBlocksCleared"])
+    body: list[Any] = [ts, encoded] if attn_dp_rank is None else [ts, encoded, attn_dp_rank]
+    return _encoder.encode(body)
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise MalformedBatch(f"seq frame must be {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)

@@ -1,0 +1,47 @@
+"""NATS names: subjects, stream and consumer names. Tokens are made subject-safe here only."""
+
+from __future__ import annotations
+
+import re
+
+EVENTS_STREAM = "KVTIER_EVENTS"
+DLQ_STREAM = "KVTIER_DLQ"
+EVENTS_PREFIX = "kvtier.events"
+DLQ_PREFIX = "kvtier.dlq"
+CONTROL_PREFIX = "kvtier.control"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def subject_token(name: str) -> str:
+    """Make a model or worker name one safe subject token: '.', '*', '>', spaces and other
+    punctuation become '_' (e.g. 'meta-llama/Llama-3.1-8B' -> 'meta-llama_Llama-3_1-8B')."""
+    if not name:
+        raise ValueError("empty name cannot be a subject token")
+    return _UNSAFE.sub("_", name)
+
+
+def events_subject(model: str, worker_id: str) -> str:
+    return f"{EVENTS_PREFIX}.{subject_token(model)}.{subject_token(worker_id)}"
+
+
+def stored_events_subject_pattern(model: str, worker_id: str) -> str:
+    """The subject as the stream stores it: a partition token is appended by the stream's
+    subject transform, so the publisher need not know the partition count."""
+    return f"{events_subject(model, worker_id)}.*"
+
+
+def partition_filter(partition: int) -> str:
+    return f"{EVENTS_PREFIX}.*.*.{partition}"
+
+
+def partition_transform_dest(partitions: int) -> str:
+    return f"{EVENTS_PREFIX}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}.{{{{partition({partitions},1,2)}}}}"
+
+
+def control_subject(model: str, worker_id: str) -> str:
+    return f"{CONTROL_PREFIX}.{subject_token(model)}.{subject_token(worker_id)}"
+
+
+def dlq_subject(stage: str, model: str = "unknown", worker_id: str = "unknown") -> str:
+    return f"{DLQ_PREFIX}.{stage}.{subject_token(model or 'unknown')}.{subject_token(worker_id or 'unknown')}"

@@ -1,0 +1,46 @@
+"""Worker metadata: what a router needs to hash requests and to find a worker's pages in
+the shared Mooncake pool. Announced by the bridge, stored by the processor."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Union
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class AttentionKind(str, enum.Enum):
+    MHA = "mha"  # keys "{digest}_{tp_rank}_k" and "_v" per TP rank
+    MLA = "mla"  # one key "{digest}__k" shared by all ranks
+
+
+class MooncakeLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """How SGLang HiCache names a page's objects in Mooncake."""
+
+    attention: AttentionKind = AttentionKind.MHA
+    tp_size: PositiveInt = 1
+    pp_size: PositiveInt = 1
+    key_prefix: str = ""
+
+
+class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    #: Schema version; decoders accept newer minor additions (unknown fields are ignored).
+    v: int = 1
+    worker_id: str
+    model: str
+    #: The engine process this state unit belongs to; for DP>1 each attention-DP rank is its own
+    #: kvtier worker ("<engine_worker_id>-dp<rank>") because each rank has its own radix cache.
+    engine_worker_id: str = ""
+    dp_rank: NonNegativeInt = 0
+    dp_size: PositiveInt = 1
+    page_size: PositiveInt
+    tp_size: PositiveInt = 1
+    pp_size: PositiveInt = 1
+    mooncake: Union[MooncakeLayout, None] = None
+    kv_events_endpoint: str = ""
+    replay_endpoint: str = ""
+    engine: str = "sglang"
+    engine_version: str = ""

@@ -1,0 +1,151 @@
+"""End to end: SGLang-format ZMQ publisher -> kvtier bridge -> JetStream -> processor -> Redis."""
+
+import time
+
+import pytest
+
+from kvtier.consumers.apply import read_page_holders, read_worker_pages, read_worker_state
+from kvtier.producers.sglang_publisher import SglangEventPublisher
+
+from .helpers import (
+    HiCacheWorkload,
+    ReferenceModel,
+    bridge_process,
+    describe_diff,
+    processor_process,
+    state_matches,
+    wait_until,
+    worker_announced,
+)
+
+MODEL = "meta-llama/Llama-3.1-8B"
+
+
+@pytest.mark.parametrize("array_encoding", [False, True], ids=["map-events", "array-events"])
+def test_round_trip_matches_reference(nats_server, redis_server, redis_client, array_encoding):
+    with SglangEventPublisher(array_encoding=array_encoding) as publisher:
+        processor = processor_process(nats_server.url, redis_server.url)
+        bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
+        try:
+            wait_until(lambda: worker_announced(redis_client, MODEL, "w0"), what="worker announced")
+            workload, reference = HiCacheWorkload(seed=1), ReferenceModel()
+            for _ in range(300):
+                events = workload.next_batch()
+                publisher.publish(events)
+                reference.apply(events)
+            wait_until(lambda: state_matches(redis_client, MODEL, "w0", reference), timeout=30,
+                       what=lambda: describe_diff(redis_client, MODEL, "w0", reference))
+            assert len(reference.pages) > 50
+            # the block index routers read agrees with the per-worker index
+            holders = read_page_holders(redis_client, MODEL, list(reference.pages))
+            pages = read_worker_pages(redis_client, MODEL, "w0")
+            assert all(h.get("w0") is not None for h in holders)
+            assert {h: {t for t in pages[h]} for h in reference.pages} == reference.pages
+            state = read_worker_state(redis_client, MODEL, "w0")
+            assert state["stale"] == "0"
+            assert state["last_epoch_reason"] == "bridge_start"
+        finally:
+            assert bridge.stop() == 0, bridge.output()
+            assert processor.stop() == 0, processor.output()
+
+
+def test_store_before_remove_never_invisible(nats_server, redis_server, redis_client):
+    """A concurrent reader never sees a page vanish from every tier before its final removal."""
+    with SglangEventPublisher() as publisher:
+        processor = processor_process(nats_server.url, redis_server.url)
+        bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
+        try:
+            wait_until(lambda: worker_announced(redis_client, MODEL, "w0"), what="worker announced")
+            workload, reference = HiCacheWorkload(seed=7), ReferenceModel()
+            watcher = VanishWatcher()
+            for i in range(400):
+                events = workload.next_batch()
+                publisher.publish(events)
+                reference.apply(events)
+                if i % 4 == 0:
+                    watcher.observe(read_worker_pages(redis_client, MODEL, "w0"))
+            deadline = time.monotonic() + 30
+            while not state_matches(redis_client, MODEL, "w0", reference) and time.monotonic() < deadline:
+                watcher.observe(read_worker_pages(redis_client, MODEL, "w0"))
+            assert state_matches(redis_client, MODEL, "w0", reference), describe_diff(redis_client, MODEL, "w0", reference)
+            assert watcher.polls > 50
+            assert watcher.vanished_then_back == set()
+            # every page that left the state for good was finally removed by the worker
+            assert watcher.gone <= workload.finally_removed
+            assert len(watcher.gone) > 0
+        finally:
+            bridge.stop()
+            processor.stop()
+
+
+class VanishWatcher:
+    """Flags a page that disappears from all tiers and later reappears: in a write-through
+    workload with fresh hashes per prefill, that can only be a transient invisibility."""
+
+    def __init__(self):
+        self.seen: set = set()
+        self.gone: set = set()
+        self.vanished_then_back: set = set()
+        self.polls = 0
+
+    def observe(self, pages: dict) -> None:
+        self.polls += 1
+        present = set(pages)
+        self.vanished_then_back |= present & self.gone
+        self.gone |= self.seen - present
+        self.seen |= present
+
+
+def test_vanish_watcher_detects_a_transient_vanish():
+    watcher = VanishWatcher()
+    watcher.observe({1: {"device"}})
+    watcher.observe({})  # remove(GPU) applied before store(host)
+    watcher.observe({1: {"host"}})
+    assert watcher.vanished_then_back == {1}
+
+
+def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redis_client):
+    import zmq
+
+    from kvtier.embedded import free_port
+
+    base = None
+    for _ in range(20):  # two consecutive free ports for the two ranks
+        candidate = free_port()
+        try:
+            publishers = [SglangEventPublisher(endpoint=f"tcp://127.0.0.1:{candidate + r}", replay_endpoint=None,
+                                               attn_dp_rank=r) for r in range(2)]
+            base = candidate
+            break
+        except zmq.ZMQError:
+            continue
+    assert base is not None
+    processor = processor_process(nats_server.url, redis_server.url)
+    from .helpers import KvtierProcess
+
+    bridge = KvtierProcess("bridge", "--endpoint", f"tcp://127.0.0.1:{base}", "--worker-id", "engine7", "--model",
+                           MODEL, "--page-size", "4", "--nats", nats_server.url, "--dp-size", "2", "--heartbeat", "0.5")
+    try:
+        for r in range(2):
+            wait_until(lambda r=r: worker_announced(redis_client, MODEL, f"engine7-dp{r}"), what=f"rank {r} announced")
+        references = [ReferenceModel(), ReferenceModel()]
+        workloads = [HiCacheWorkload(seed=100 + r) for r in range(2)]
+        for _ in range(60):
+            for r in range(2):
+                events = workloads[r].next_batch()
+                publishers[r].publish(events)
+                references[r].apply(events)
+        for r in range(2):
+            wait_until(lambda r=r: state_matches(redis_client, MODEL, f"engine7-dp{r}", references[r]),
+                       what=lambda r=r: describe_diff(redis_client, MODEL, f"engine7-dp{r}", references[r]))
+        import json
+
+        from kvtier.schemas.state_keys import ModelKeys
+
+        meta = json.loads(redis_client.get(ModelKeys.for_model(MODEL).meta("engine7-dp1")))
+        assert meta["engine_worker_id"] == "engine7" and meta["dp_rank"] == 1 and meta["dp_size"] == 2
+    finally:
+        bridge.stop()
+        processor.stop()
+        for p in publishers:
+            p.close()
