@@ -12,6 +12,7 @@ the worker is rebased: cleared, marked stale, and its bridge is asked to resync.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -125,21 +126,30 @@ class Processor:
         while not stop.is_set():
             try:
                 messages = await sub.fetch(self.cfg.fetch_batch, timeout=0.5)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
-            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError, nats.js.errors.APIError,
-                    nats.errors.ConnectionClosedError) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a consumer loop must survive broker hiccups
                 if stop.is_set():
                     break
-                log.warning("partition %d: fetch failed (%s); re-subscribing", partition, exc)
+                log.warning("partition %d: fetch failed (%r); re-subscribing", partition, exc)
                 await asyncio.sleep(0.5)
-                try:
+                with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-                except Exception:  # noqa: BLE001 - the old subscription may already be gone
-                    pass
-                sub = await self._subscribe(partition, rewind=False)
+                with contextlib.suppress(Exception):
+                    sub = await self._subscribe(partition, rewind=False)
                 continue
-            await self.handle(messages)
+            try:
+                await self.handle(messages)
+            except redis.RedisError as exc:
+                # Nothing unacked is lost: hand the messages back for redelivery and back off.
+                log.warning("partition %d: Redis unavailable (%s); redelivering %d messages", partition, exc,
+                            len(messages))
+                for msg in messages:
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=1.0)
+                await asyncio.sleep(1.0)
 
     async def handle(self, messages) -> None:
         batches: list[tuple[object, EventBatch]] = []
@@ -238,6 +248,8 @@ class Processor:
                     PENDING.labels(str(partition)).set(info.num_pending)
             except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
                 log.warning("housekeeping failed: %s", exc)
+            except Exception:  # noqa: BLE001 - housekeeping must outlive any one bad sweep
+                log.exception("housekeeping sweep failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.reap_interval_s)
             except asyncio.TimeoutError:

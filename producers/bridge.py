@@ -327,7 +327,10 @@ class RankBridge:
                 await self._announce()
 
     async def _on_control(self, msg) -> None:
-        request = msgspec.json.decode(msg.data) if msg.data else {}
+        try:
+            request = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            request = None
         if not isinstance(request, dict) or request.get("request") != "resync":
             log.warning("%s: ignoring unknown control message %r", self._label, msg.data[:200])
             return

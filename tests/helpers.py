@@ -23,7 +23,8 @@ from kvtier.schemas.tiers import Tier, tier_of_medium
 GPU, HOST = "GPU", "CPU_PINNED"
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> object:
+def wait_until(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05,
+               what: str | Callable[[], str] = "") -> object:
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -31,7 +32,8 @@ def wait_until(predicate: Callable[[], object], timeout: float = 20.0, interval:
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}; last value {last!r}")
+    detail = what() if callable(what) else (what or predicate)
+    raise AssertionError(f"timed out after {timeout}s waiting for {detail}; last value {last!r}")
 
 
 @dataclass
@@ -183,3 +185,57 @@ def worker_announced(client: redis.Redis, model: str, worker: str) -> bool:
     from kvtier.schemas.state_keys import ModelKeys
 
     return client.zscore(ModelKeys.for_model(model).leases, worker) is not None
+
+
+def kvtier_batch(model: str, worker: str, epoch: int, seq: int, events: list[SglangEvent], reason=None):
+    """Wrap engine events as the bridge would (for tests that play the bridge themselves)."""
+    from kvtier.producers.convert import convert_batch
+    from kvtier.schemas.events import EpochReason, EventBatch
+    from kvtier.schemas.sglang import DecodedBatch
+
+    converted = convert_batch(DecodedBatch(ts=time.time(), attn_dp_rank=None, events=events, rejected=[]))
+    assert not converted.rejected
+    return EventBatch(worker_id=worker, model=model, epoch=epoch, seq=seq, ts=time.time(), source_ts=time.time(),
+                      epoch_reason=EpochReason(reason) if reason else None, events=converted.events)
+
+
+async def publish_batches(nats_url: str, batches, msg_ids: list[str] | None = None) -> None:
+    import nats
+
+    from kvtier.schemas.events import encode_message
+    from kvtier.schemas.subjects import events_subject
+    from kvtier.streams import StreamSettings, ensure_streams
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, StreamSettings())
+    for i, batch in enumerate(batches):
+        msg_id = msg_ids[i] if msg_ids else batch.msg_id
+        await js.publish(events_subject(batch.model, batch.worker_id), encode_message(batch),
+                         headers={"Nats-Msg-Id": msg_id})
+    await nc.close()
+
+
+async def read_dead_letters(nats_url: str, expected: int, timeout: float = 15.0) -> list[tuple[str, dict, bytes]]:
+    """(subject, headers, data) of the first `expected` dead letters."""
+    import asyncio
+
+    import nats
+
+    from kvtier.schemas.subjects import DLQ_STREAM
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    out = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = await js.stream_info(DLQ_STREAM)
+        if info.state.messages >= expected:
+            break
+        await asyncio.sleep(0.1)
+    info = await js.stream_info(DLQ_STREAM)
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(DLQ_STREAM, seq)
+        out.append((msg.subject, dict(msg.headers or {}), msg.data))
+    await nc.close()
+    return out
