@@ -75,7 +75,7 @@ class TierStateWriter:
         keys = ModelKeys.for_model(batch.model)
         return self._apply(
             keys=[keys.state(batch.worker_id), keys.pages(batch.worker_id), keys.workers],
-            args=[keys.block_prefix, batch.worker_id, batch.epoch, batch.seq, mode.value,
+            args=["", batch.worker_id, batch.epoch, batch.seq, mode.value,
                   batch.epoch_reason.value if batch.epoch_reason else "", now_ms,
                   repr(batch.source_ts), *_script_ops(batch)],
             client=target,
@@ -129,11 +129,12 @@ class TierStateWriter:
             keys = ModelKeys(token.decode() if isinstance(token, bytes) else token)
             for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
                 worker_id = worker.decode() if isinstance(worker, bytes) else worker
-                pages = self._expire(
+                pages = int(self._expire(
                     keys=[keys.state(worker_id), keys.pages(worker_id), keys.leases],
-                    args=[keys.block_prefix, worker_id, now_ms],
-                )
-                removed.append((keys.model_token, worker_id, int(pages)))
+                    args=[worker_id, now_ms],
+                ))
+                if pages >= 0:
+                    removed.append((keys.model_token, worker_id, pages))
         return removed
 
 
@@ -162,10 +163,19 @@ def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[s
             for k, v in raw.items()}
 
 
-def read_page_holders(client: redis.Redis, model: str, hashes: Iterable[BlockHash]) -> list[dict[str, int]]:
-    """For each page, worker -> tier bits, from the block index routers read."""
+def read_page_holders(client: redis.Redis, model: str, worker_ids: Iterable[str],
+                      hashes: Sequence[BlockHash]) -> list[dict[str, int]]:
+    """For each page, worker -> tier bits, over the given workers (one HMGET per worker)."""
     keys = ModelKeys.for_model(model)
+    fields = [page_keys_blob([h]) for h in hashes]
+    workers = list(worker_ids)
     pipe = client.pipeline(transaction=False)
-    for h in hashes:
-        pipe.hgetall(keys.block(PageKey(page_keys_blob([h]))))
-    return [{(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in r.items()} for r in pipe.execute()]
+    for worker_id in workers:
+        pipe.hmget(keys.pages(worker_id), fields) if fields else pipe.ping()
+    rows = pipe.execute() if workers else []
+    holders: list[dict[str, int]] = [{} for _ in hashes]
+    for worker_id, values in zip(workers, rows):
+        for i, value in enumerate(values if fields else []):
+            if value is not None:
+                holders[i][worker_id] = int(value)
+    return holders

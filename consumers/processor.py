@@ -26,11 +26,16 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.consumers.pull import PullStream
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
 from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, dlq_subject, partition_filter, subject_token
 from kvtier.streams import StreamSettings, ensure_streams
 
 log = logging.getLogger("kvtier.processor")
+
+#: Page transitions sent to Redis per round trip: big enough to amortise the round trip,
+#: small enough that the first batch of a burst is visible within a few milliseconds.
+CHUNK_TRANSITIONS = 4096
 
 APPLIED_BATCHES = Counter("kvtier_processor_applied_batches_total", "Batches applied to Redis")
 APPLIED_TRANSITIONS = Counter("kvtier_processor_applied_transitions_total", "Page tier transitions applied")
@@ -99,46 +104,49 @@ class Processor:
             self.redis.close()
 
     # --- consuming --------------------------------------------------------------------------
-    async def _subscribe(self, partition: int, rewind: bool):
+    async def _subscribe(self, partition: int, rewind: bool) -> PullStream:
         durable = f"{self.cfg.durable_prefix}-p{partition}"
         config = ConsumerConfig(
             durable_name=durable, filter_subject=partition_filter(partition), ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.cfg.ack_wait_s, max_ack_pending=50_000, max_deliver=-1, deliver_policy=DeliverPolicy.ALL,
         )
-        if rewind:
+        try:
+            info = await self.js.consumer_info(EVENTS_STREAM, durable)
+        except nats.js.errors.NotFoundError:
+            info = None
+        if info is not None and rewind and info.num_ack_pending:
+            # A previous owner died holding unacked messages: redeliver them now, in order,
+            # instead of after ack_wait behind newer ones.
+            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            await self.js.delete_consumer(EVENTS_STREAM, durable)
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = floor + 1
+            info = None
+            log.info("partition %d: rewinding consumer to stream seq %d", partition, floor + 1)
+        if info is None:
             try:
-                info = await self.js.consumer_info(EVENTS_STREAM, durable)
-                if info.num_ack_pending:
-                    # A previous owner died holding unacked messages: redeliver them now, in order.
-                    floor = info.ack_floor.stream_seq if info.ack_floor else 0
-                    await self.js.delete_consumer(EVENTS_STREAM, durable)
-                    config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-                    config.opt_start_seq = floor + 1
-                    log.info("partition %d: rewinding consumer to stream seq %d (%d unacked)", partition, floor + 1,
-                             info.num_ack_pending)
-            except nats.js.errors.NotFoundError:
-                pass
-        return await self.js.pull_subscribe(partition_filter(partition), durable=durable, stream=EVENTS_STREAM,
-                                            config=config)
+                await self.js.add_consumer(EVENTS_STREAM, config)
+            except nats.js.errors.BadRequestError:
+                pass  # another processor created it meanwhile
+        return await PullStream(self.nc, EVENTS_STREAM, durable, self.cfg.fetch_batch).start()
 
     async def _consume(self, partition: int, stop: asyncio.Event) -> None:
-        sub = await self._subscribe(partition, rewind=True)
+        pull = await self._subscribe(partition, rewind=True)
         while not stop.is_set():
             try:
-                messages = await sub.fetch(self.cfg.fetch_batch, timeout=0.5)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
+                messages = await pull.next_batch(timeout=0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a consumer loop must survive broker hiccups
                 if stop.is_set():
                     break
-                log.warning("partition %d: fetch failed (%r); re-subscribing", partition, exc)
+                log.warning("partition %d: pull failed (%r); re-subscribing", partition, exc)
                 await asyncio.sleep(0.5)
+                await pull.close()
                 with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-                with contextlib.suppress(Exception):
-                    sub = await self._subscribe(partition, rewind=False)
+                    pull = await self._subscribe(partition, rewind=False)
+                continue
+            if not messages:
                 continue
             try:
                 await self.handle(messages)
@@ -150,34 +158,59 @@ class Processor:
                     with contextlib.suppress(Exception):
                         await msg.nak(delay=1.0)
                 await asyncio.sleep(1.0)
+        await pull.close()
 
     async def handle(self, messages) -> None:
-        batches: list[tuple[object, EventBatch]] = []
+        """Decode and apply messages in arrival order. Batches go to Redis in chunks of about
+        `CHUNK_TRANSITIONS`, and the next chunk is decoded while Redis applies the previous
+        one: a burst neither waits for the whole burst to be decoded nor loses its order
+        (a chunk is sent only after the one before it has been applied)."""
+        chunk: list[tuple[object, EventBatch]] = []
+        size = 0
+        in_flight: tuple[list, asyncio.Task] | None = None
         for msg in messages:
             message = await self._decode_or_dead_letter(msg)
             if message is None:
                 continue
             if isinstance(message, WorkerAnnounce):
-                stale = await asyncio.to_thread(self.writer.announce, message)
-                ANNOUNCES.inc()
-                if stale:
-                    await self._request_resync(message.metadata.model, message.metadata.worker_id, "state is stale")
-                await msg.ack()
-            else:
-                batches.append((msg, message))
-        if not batches:
-            return
-        results = await asyncio.to_thread(self.writer.apply_many, [b for _, b in batches])
+                await self._announce(msg, message)
+                continue
+            chunk.append((msg, message))
+            size += sum(len(getattr(e, "hashes", ())) for e in message.events) + 1
+            if size >= CHUNK_TRANSITIONS:
+                if in_flight:
+                    await self._settle(*in_flight)
+                in_flight = (chunk, asyncio.create_task(self._apply_chunk(chunk)))
+                chunk, size = [], 0
+        if in_flight:
+            await self._settle(*in_flight)
+        if chunk:
+            await self._settle(chunk, asyncio.create_task(self._apply_chunk(chunk)))
+
+    async def _apply_chunk(self, chunk):
+        return await asyncio.to_thread(self.writer.apply_many, [batch for _, batch in chunk])
+
+    async def _announce(self, msg, announce: WorkerAnnounce) -> None:
+        stale = await asyncio.to_thread(self.writer.announce, announce)
+        ANNOUNCES.inc()
+        if stale:
+            await self._request_resync(announce.metadata.model, announce.metadata.worker_id, "state is stale")
+        await msg.ack()
+
+    async def _settle(self, chunk, task: asyncio.Task) -> None:
+        results = await task
         now = time.time()
-        for (msg, batch), result in zip(batches, results):
+        for (msg, batch), result in zip(chunk, results):
             key = (batch.model, batch.worker_id)
             if result.status == ApplyStatus.AHEAD:
                 if await self._hold_back(msg, batch, key, now, result):
                     continue
+                applied_before = result.seq
                 result = await asyncio.to_thread(self.writer.apply, batch, ApplyMode.REBASE)
                 GAPS.labels("rebased").inc()
                 log.error("%s/%s: batches %d:%d..%d never arrived; state cleared and marked stale, asking the "
-                          "bridge to resync", batch.model, batch.worker_id, batch.epoch, result.seq, batch.seq - 1)
+                          "bridge to resync", batch.model, batch.worker_id, batch.epoch, applied_before + 1,
+                          batch.seq - 1)
             if result.status == ApplyStatus.APPLIED:
                 self._ahead_since.pop(key, None)
                 APPLIED_BATCHES.inc()

@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--events-per-message", type=_positive_int, default=32,
                         help="Events per NATS message (the bridge's batching).")
     ingest.add_argument("--lag-seconds", type=_positive_float, default=10.0, help="Duration of the lag phase.")
+    ingest.add_argument("--lag-rate", type=_positive_float, default=None,
+                        help="Transitions/s in the lag phase (default: half the measured throughput).")
     ingest.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(ingest)
     return parser

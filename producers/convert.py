@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvtier.schemas.events import AllCleared, PagesRemoved, PagesStored, TierEvent
+from kvtier.schemas.events import AllCleared, PagesRemoved, PagesStored, TierEvent, pack_token_ids
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvtier.schemas.tiers import UnknownMedium, tier_of_medium
 
@@ -41,7 +41,7 @@ def _convert_event(event, keep_token_ids: bool) -> TierEvent:
             hashes=event.block_hashes,
             parent=event.parent_block_hash,
             page_size=event.block_size,
-            token_ids=event.token_ids if keep_token_ids else [],
+            token_ids=pack_token_ids(event.token_ids if keep_token_ids else []),
             lora_id=event.lora_id,
         )
     if isinstance(event, BlockRemoved):

@@ -37,13 +37,29 @@ class EpochReason(str, enum.Enum):
     RESYNC_REQUESTED = "resync_requested"  # a processor found the state incomplete
 
 
+EMPTY_TOKENS = msgspec.Raw(b"\x90")  # msgpack []
+_tokens_encoder = msgspec.msgpack.Encoder()
+_tokens_decoder = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]])
+
+
+def pack_token_ids(token_ids: list[int]) -> msgspec.Raw:
+    return msgspec.Raw(_tokens_encoder.encode(token_ids)) if token_ids else EMPTY_TOKENS
+
+
+def token_ids_of(event: "PagesStored") -> list[int]:
+    """Decode a stored event's token ids (uint32 each, as SGLang hashes them)."""
+    return _tokens_decoder.decode(event.token_ids)
+
+
 class PagesStored(msgspec.Struct, tag="stored", array_like=True):
     tier: Tier
     hashes: list[WireBlockHash]
     parent: Union[WireBlockHash, None] = None
     page_size: PageSize = 1
-    #: Tokens of the stored pages when the engine sent them (kept for hash validation).
-    token_ids: list[int] = []
+    #: Tokens of the stored pages when the engine sent them, kept for hash validation. Raw
+    #: msgpack (an array of ints): applying state never needs them, so they are not decoded
+    #: on the hot path; `token_ids_of()` decodes them when wanted.
+    token_ids: msgspec.Raw = EMPTY_TOKENS
     lora_id: Union[int, None] = None
 
 

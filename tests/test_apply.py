@@ -32,7 +32,7 @@ def test_tiers_accumulate_and_leave_per_tier(redis_client):
     assert r.status == ApplyStatus.APPLIED and r.transitions == 7
     assert read_worker_pages(redis_client, M, "w") == {1: {Tier.DEVICE}, 2: {Tier.DEVICE, Tier.HOST},
                                                        3: {Tier.HOST}, 4: {Tier.DISK}}
-    assert read_page_holders(redis_client, M, [1, 2, 3, 4, 5]) == [{"w": 1}, {"w": 3}, {"w": 2}, {"w": 4}, {}]
+    assert read_page_holders(redis_client, M, ["w"], [1, 2, 3, 4, 5]) == [{"w": 1}, {"w": 3}, {"w": 2}, {"w": 4}, {}]
 
 
 def test_seq_order_is_enforced_by_the_script(redis_client):
@@ -60,7 +60,7 @@ def test_new_epoch_clears_the_old_state_atomically_with_its_first_batch(redis_cl
     r = writer.apply(kvtier_batch(M, "w", 2, 1, [store([3])], reason="publisher_restart"))
     assert r.status == ApplyStatus.APPLIED
     assert read_worker_pages(redis_client, M, "w") == {3: {Tier.DEVICE}}
-    assert read_page_holders(redis_client, M, [1])[0] == {"other": 1}  # another worker's copy is untouched
+    assert read_page_holders(redis_client, M, ["w", "other"], [1])[0] == {"other": 1}  # another worker's copy is untouched
     assert read_worker_state(redis_client, M, "w")["last_epoch_reason"] == "publisher_restart"
 
 
@@ -100,6 +100,6 @@ def test_lease_expiry_clears_only_expired_workers(redis_client):
     removed = writer.expire_dead_workers(now=time.time() + 1)
     assert [(w, n) for _, w, n in removed] == [("dead", 2)]
     assert read_worker_pages(redis_client, M, "dead") == {}
-    assert read_page_holders(redis_client, M, [1])[0] == {"alive": 1}
+    assert read_page_holders(redis_client, M, ["dead", "alive"], [1])[0] == {"alive": 1}
     assert read_worker_state(redis_client, M, "dead")["stale_reason"] == "lease_expired"
     assert writer.count_stale_workers() == 1

@@ -1,0 +1,87 @@
+"""A continuous pull on a durable JetStream consumer.
+
+nats-py's `fetch(n)` waits, once it has a first message, for the other n-1 until its
+timeout: under light load that adds up to the whole timeout to every batch's latency. This
+keeps pull requests outstanding instead and hands over whatever has already arrived, so a
+lone message is applied at once and a burst is still applied as one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats.js.errors
+from nats.aio.msg import Msg
+
+_STATUS = "Status"
+_PENDING = "Nats-Pending-Messages"
+_HEARTBEAT, _NO_MESSAGES, _TIMEOUT = "100", "404", "408"
+
+
+class ConsumerGone(RuntimeError):
+    """The server ended our pulls for good (consumer deleted, leadership change, ...)."""
+
+
+class PullStream:
+    def __init__(self, nc, stream: str, durable: str, max_batch: int = 256, expires_s: float = 5.0):
+        self.nc = nc
+        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.max_batch = max_batch
+        self.expires_ns = int(expires_s * 1e9)
+        self.inbox = nc.new_inbox()
+        self.sub = None
+        self.outstanding = 0
+
+    async def start(self) -> "PullStream":
+        self.sub = await self.nc.subscribe(self.inbox, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30)
+        return self
+
+    async def close(self) -> None:
+        if self.sub is not None:
+            try:
+                await self.sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def _top_up(self) -> None:
+        # Two batches in flight: the next one is already requested while this one is applied.
+        if self.outstanding <= self.max_batch:
+            wanted = 2 * self.max_batch - self.outstanding
+            request = json.dumps({"batch": wanted, "expires": self.expires_ns}).encode()
+            await self.nc.publish(self.next_subject, request, reply=self.inbox)
+            self.outstanding += wanted
+
+    def _account(self, msg: Msg) -> bool:
+        """True for a message to process; status messages update the outstanding count."""
+        status = msg.headers.get(_STATUS) if msg.headers else None
+        if not status:
+            self.outstanding -= 1
+            return True
+        if status == _HEARTBEAT:
+            return False
+        if status in (_TIMEOUT, _NO_MESSAGES):
+            pending = msg.headers.get(_PENDING)
+            self.outstanding = max(0, self.outstanding - int(pending)) if pending else 0
+            return False
+        description = msg.headers.get("Description", "")
+        if status == "409" and "Exceeded" in description:
+            self.outstanding = 0  # the request was refused as a whole; ask again
+            return False
+        raise ConsumerGone(f"pull on {self.next_subject} ended: {status} {description}")
+
+    async def next_batch(self, timeout: float) -> list[Msg]:
+        """Wait up to `timeout` for a first message, then take what else has arrived."""
+        await self._top_up()
+        batch: list[Msg] = []
+        try:
+            first = await self.sub.next_msg(timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return batch
+        if self._account(first):
+            batch.append(first)
+        while len(batch) < self.max_batch and self.sub.pending_msgs > 0:
+            msg = await self.sub.next_msg(timeout=None)
+            if self._account(msg):
+                batch.append(msg)
+        return batch

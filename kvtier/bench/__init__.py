@@ -1,0 +1,1 @@
+"""`kvtier bench ...`: benchmarks. Figures and the exact commands live in BENCHMARKS.md."""

@@ -1,0 +1,266 @@
+"""`kvtier bench ingest`: one processor process, NATS JetStream -> Redis.
+
+Phase 1 (throughput): the stream is pre-loaded with kvtier batches from many workers (a
+HiCache-like mix of stores and removes on device and host), then one `kvtier processor`
+process drains it; transitions/s = transitions / (last batch visible - first batch visible),
+both read from Redis by a poller, so processor start-up is not counted.
+Phase 2 (lag): batches are published at half the measured rate, each stamped with its
+publish time; the poller records when each (worker, seq) becomes visible in Redis.
+Lag = visible - stamped, reported as p50/p99 (poll resolution ~1 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+import redis
+
+from kvtier.embedded import NatsServer, RedisServer
+from kvtier.schemas.events import EventBatch, PagesRemoved, PagesStored, encode_message, pack_token_ids
+from kvtier.schemas.state_keys import ModelKeys
+from kvtier.schemas.subjects import events_subject
+from kvtier.schemas.tiers import Tier
+from kvtier.streams import StreamSettings, ensure_streams
+
+MODEL = "bench-model"
+
+
+class _WorkerStream:
+    """A HiCache-like stream of tier events for one worker (write-through)."""
+
+    def __init__(self, rng: random.Random, page_size: int, pages_per_event: int, token_ids: bool):
+        self.rng = rng
+        self.page_size = page_size
+        self.k = pages_per_event
+        self.token_ids = token_ids
+        self.gpu_only: list[int] = []
+        self.both: list[int] = []
+        self.host_only: list[int] = []
+
+    def _take(self, pool: list[int]) -> list[int]:
+        n = min(self.k, len(pool))
+        taken, pool[:] = pool[:n], pool[n:]
+        return taken
+
+    def event(self):
+        r = self.rng.random()
+        if r < 0.2 and len(self.gpu_only) >= self.k:
+            pages = self._take(self.gpu_only)
+            self.both += pages
+            return PagesStored(tier=Tier.HOST, hashes=pages, page_size=self.page_size)
+        if r < 0.4 and len(self.both) >= self.k:
+            pages = self._take(self.both)
+            self.host_only += pages
+            return PagesRemoved(tier=Tier.DEVICE, hashes=pages)
+        if r < 0.5 and len(self.host_only) >= self.k:
+            pages = self._take(self.host_only)
+            self.both += pages
+            return PagesStored(tier=Tier.DEVICE, hashes=pages, page_size=self.page_size)
+        if r < 0.6 and len(self.host_only) >= self.k:
+            return PagesRemoved(tier=Tier.HOST, hashes=self._take(self.host_only))
+        pages = [self.rng.randrange(-(1 << 63), 1 << 63) for _ in range(self.k)]
+        self.gpu_only += pages
+        tokens = [self.rng.randrange(0, 128_000) for _ in range(self.k * self.page_size)] if self.token_ids else []
+        return PagesStored(tier=Tier.DEVICE, hashes=pages, page_size=self.page_size, token_ids=pack_token_ids(tokens))
+
+
+class _Workload:
+    def __init__(self, workers: int, pages_per_event: int, events_per_message: int, token_ids: bool, seed: int = 0):
+        rng = random.Random(seed)
+        self.workers = [f"bw{i}" for i in range(workers)]
+        self.streams = {w: _WorkerStream(random.Random(rng.random()), 16, pages_per_event, token_ids)
+                        for w in self.workers}
+        self.seq = {w: 0 for w in self.workers}
+        self.events_per_message = events_per_message
+        self._next = 0
+
+    def message(self, stamp: float | None = None) -> tuple[str, int, bytes, int]:
+        worker = self.workers[self._next % len(self.workers)]
+        self._next += 1
+        self.seq[worker] += 1
+        events = [self.streams[worker].event() for _ in range(self.events_per_message)]
+        now = stamp if stamp is not None else time.time()
+        batch = EventBatch(worker_id=worker, model=MODEL, epoch=1, seq=self.seq[worker], ts=now, source_ts=now,
+                           events=events)
+        return worker, batch.seq, encode_message(batch), sum(len(e.hashes) for e in events)
+
+
+def _watch_visibility(url: str, workers: list[str], results, ready, stop) -> None:
+    """Child process: learns from Redis keyspace notifications the moment each worker's
+    state changes, reads its applied seq, and records when every seq became visible.
+    Event driven, so it neither misses a change nor adds a polling interval to the lag."""
+    client = redis.Redis.from_url(url)
+    client.config_set("notify-keyspace-events", "Kh")
+    keys = {ModelKeys.for_model(MODEL).state(w): w for w in workers}
+    pubsub = client.pubsub()
+    pubsub.psubscribe(f"__keyspace@0__:{ModelKeys.for_model(MODEL).base}:w:*:state")
+    seen = {w: 0 for w in workers}
+    visible_at: dict[tuple[str, int], float] = {}
+    first_change = None
+    ready.set()
+    while not stop.is_set():
+        message = pubsub.get_message(timeout=0.1)
+        if not message or message["type"] != "pmessage":
+            continue
+        key = message["channel"].decode().split(":", 1)[1]
+        worker = keys.get(key)
+        if worker is None:
+            continue
+        seq = int(client.hget(key, "seq") or 0)
+        now = time.time()
+        if seq > seen[worker]:
+            first_change = first_change or now
+            for s in range(seen[worker] + 1, seq + 1):
+                visible_at[(worker, s)] = now
+            seen[worker] = seq
+            results.put(("seen", worker, seq))
+    results.put(("done", visible_at, first_change))
+
+
+class _Watcher:
+    def __init__(self, url: str, workers: list[str]):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self.results = ctx.Queue()
+        ready = ctx.Event()
+        self.stop_flag = ctx.Event()
+        self.process = ctx.Process(target=_watch_visibility, args=(url, workers, self.results, ready, self.stop_flag),
+                                   daemon=True)
+        self.process.start()
+        ready.wait(10)
+        self.seen = {w: 0 for w in workers}
+
+    def wait_for(self, targets: dict[str, int], timeout: float, alive) -> bool:
+        deadline = time.time() + timeout
+        while any(self.seen[w] < s for w, s in targets.items()):
+            if time.time() > deadline or not alive():
+                return False
+            try:
+                _kind, worker, seq = self.results.get(timeout=0.05)
+                self.seen[worker] = max(self.seen[worker], seq)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                pass
+        return True
+
+    def finish(self) -> tuple[dict[tuple[str, int], float], float | None]:
+        self.stop_flag.set()
+        while True:
+            item = self.results.get(timeout=30)
+            if item[0] == "done":
+                self.process.join(5)
+                return item[1], item[2]
+
+
+async def _preload(nats_url: str, payloads: list[tuple[str, int, bytes, int]]) -> None:
+    import nats
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, StreamSettings())
+    window = 256
+    pending = []
+    for worker, seq, data, _ in payloads:
+        pending.append(js.publish(events_subject(MODEL, worker), data, headers={"Nats-Msg-Id": f"{worker}:1:{seq}"}))
+        if len(pending) >= window:
+            await asyncio.gather(*pending)
+            pending = []
+    await asyncio.gather(*pending)
+    await nc.close()
+
+
+async def _paced(nats_url: str, messages: list[tuple[str, int, bytes, int]],
+                 messages_per_s: float) -> dict[tuple[str, int], float]:
+    """Publish pre-built messages at a steady pace; the stamp is taken right before each
+    publish (building a message is not part of the pipeline's lag)."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    stamps: dict[tuple[str, int], float] = {}
+    start = time.monotonic()
+    for n, (worker, seq, data, _) in enumerate(messages):
+        delay = start + n / messages_per_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        stamps[(worker, seq)] = time.time()
+        await js.publish(events_subject(MODEL, worker), data, headers={"Nats-Msg-Id": f"{worker}:1:{seq}"})
+    await nc.close()
+    return stamps
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_ingest_bench(args) -> int:
+    from kvtier.cli import _positive_int  # noqa: F401 - keeps the CLI import light elsewhere
+    import subprocess
+
+    workload = _Workload(args.workers, args.pages_per_event, args.events_per_message, token_ids=True)
+    per_message = args.pages_per_event * args.events_per_message
+    count = max(1, args.transitions // per_message)
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say(f"building {count} messages x {per_message} transitions ({args.workers} workers) ...")
+    payloads = [workload.message(0.0) for _ in range(count)]
+    total = sum(p[3] for p in payloads)
+    mean_bytes = statistics.mean(len(p[2]) for p in payloads)
+    with NatsServer() as nats_server, RedisServer() as redis_server:
+        asyncio.run(_preload(nats_server.url, payloads))
+        watcher = _Watcher(redis_server.url, workload.workers)
+        last = {w: s for w, s, _, _ in payloads}
+        processor = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url,
+                                      "--redis", redis_server.url, "--log-level", "WARNING"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            if not watcher.wait_for(last, 600, lambda: processor.poll() is None):
+                raise RuntimeError("processor did not finish the throughput phase")
+            lag_transitions = args.lag_rate or 0.0
+            visible_at, first_change = watcher.finish()
+            done = max(visible_at[(w, s)] for w, s in last.items())
+            elapsed = done - (first_change or done)
+            rate = total / elapsed if elapsed > 0 else float("inf")
+            say(f"throughput: {total} transitions in {elapsed:.3f}s = {rate:,.0f} transitions/s")
+
+            lag_transitions = args.lag_rate or rate / 2
+            lag_rate = lag_transitions / per_message
+            say(f"lag phase: {lag_rate:.0f} messages/s ({lag_transitions:,.0f} transitions/s) for {args.lag_seconds}s ...")
+            lag_messages = [workload.message(0.0) for _ in range(max(1, int(lag_rate * args.lag_seconds)))]
+            watcher = _Watcher(redis_server.url, workload.workers)
+            watcher.seen = {w: last.get(w, 0) for w in workload.workers}
+            stamps = asyncio.run(_paced(nats_server.url, lag_messages, lag_rate))
+            final = {w: s for w, s, _, _ in lag_messages}
+            watcher.wait_for(final, 30, lambda: processor.poll() is None)
+            visible_at, _ = watcher.finish()
+            lags = [(visible_at[k] - t) * 1000 for k, t in stamps.items() if k in visible_at]
+            missing = len(stamps) - len(lags)
+        finally:
+            processor.terminate()
+            processor.wait(15)
+    result = {
+        "bench": "ingest",
+        "transitions": total,
+        "messages": count,
+        "transitions_per_message": per_message,
+        "mean_message_bytes": round(mean_bytes),
+        "workers": args.workers,
+        "seconds": round(elapsed, 4),
+        "transitions_per_s": round(rate),
+        "lag_rate_transitions_per_s": round(lag_transitions),
+        "lag_samples": len(lags),
+        "lag_missing": missing,
+        "lag_p50_ms": round(statistics.median(lags), 2) if lags else None,
+        "lag_p99_ms": round(_percentile(lags, 0.99), 2) if lags else None,
+        "lag_max_ms": round(max(lags), 2) if lags else None,
+    }
+    say(f"lag: p50 {result['lag_p50_ms']} ms, p99 {result['lag_p99_ms']} ms, max {result['lag_max_ms']} ms "
+        f"over {len(lags)} messages ({missing} not seen)")
+    if args.json:
+        print(json.dumps(result))
+    return 0
