@@ -66,23 +66,29 @@ def _script_ops(batch: EventBatch) -> list[str | int]:
 
 
 class TierStateWriter:
-    def __init__(self, client: redis.Redis):
+    """Writes tier state. `apply_many_async` is the same apply through an asyncio client, so
+    a processor can decode the next messages while Redis applies these."""
+
+    def __init__(self, client: redis.Redis, async_client=None):
         self.client = client
         self._apply = client.register_script(_APPLY_LUA)
         self._expire = client.register_script(_EXPIRE_LUA)
+        self._async_client = async_client
+        self._apply_async = async_client.register_script(_APPLY_LUA) if async_client is not None else None
 
-    def _apply_call(self, batch: EventBatch, mode: ApplyMode, now_ms: int, target) -> object:
+    @staticmethod
+    def _call_args(batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
         keys = ModelKeys.for_model(batch.model)
-        return self._apply(
-            keys=[keys.state(batch.worker_id), keys.pages(batch.worker_id), keys.workers],
-            args=["", batch.worker_id, batch.epoch, batch.seq, mode.value,
-                  batch.epoch_reason.value if batch.epoch_reason else "", now_ms,
-                  repr(batch.source_ts), *_script_ops(batch)],
-            client=target,
+        return (
+            [keys.state(batch.worker_id), keys.pages(batch.worker_id), keys.workers],
+            ["", batch.worker_id, batch.epoch, batch.seq, mode.value,
+             batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
+             *_script_ops(batch)],
         )
 
     def apply(self, batch: EventBatch, mode: ApplyMode = ApplyMode.NEXT) -> ApplyResult:
-        return _result(self._apply_call(batch, mode, _now_ms(), self.client))
+        keys, args = self._call_args(batch, mode, _now_ms())
+        return _result(self._apply(keys=keys, args=args))
 
     def apply_many(self, batches: Sequence[EventBatch]) -> list[ApplyResult]:
         """Apply batches in the given order in one round trip (a pipeline of script calls;
@@ -92,8 +98,21 @@ class TierStateWriter:
         now_ms = _now_ms()
         pipe = self.client.pipeline(transaction=False)
         for batch in batches:
-            self._apply_call(batch, ApplyMode.NEXT, now_ms, pipe)
+            keys, args = self._call_args(batch, ApplyMode.NEXT, now_ms)
+            self._apply(keys=keys, args=args, client=pipe)
         return [_result(r) for r in pipe.execute()]
+
+    async def apply_many_async(self, batches: Sequence[EventBatch]) -> list[ApplyResult]:
+        if self._apply_async is None:
+            raise RuntimeError("TierStateWriter was created without an asyncio client")
+        if not batches:
+            return []
+        now_ms = _now_ms()
+        pipe = self._async_client.pipeline(transaction=False)
+        for batch in batches:
+            keys, args = self._call_args(batch, ApplyMode.NEXT, now_ms)
+            await self._apply_async(keys=keys, args=args, client=pipe)
+        return [_result(r) for r in await pipe.execute()]
 
     def announce(self, announce: WorkerAnnounce, received_at: float | None = None) -> bool:
         """Record worker metadata and extend its lease (measured from receipt, so bridge

@@ -22,6 +22,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import redis
+import redis.asyncio
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -70,7 +71,8 @@ class Processor:
     def __init__(self, config: ProcessorConfig):
         self.cfg = config
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, health_check_interval=5)
-        self.writer = TierStateWriter(self.redis)
+        self.redis_async = redis.asyncio.Redis.from_url(config.redis_url, socket_timeout=10, health_check_interval=5)
+        self.writer = TierStateWriter(self.redis, self.redis_async)
         self.nc = None
         self.js = None
         self.partitions: list[int] = []
@@ -102,6 +104,7 @@ class Processor:
             # every message we acked is already applied; unacked ones are redelivered.
             await self.nc.close()
             self.redis.close()
+            await self.redis_async.aclose()
 
     # --- consuming --------------------------------------------------------------------------
     async def _subscribe(self, partition: int, rewind: bool) -> PullStream:
@@ -188,7 +191,7 @@ class Processor:
             await self._settle(chunk, asyncio.create_task(self._apply_chunk(chunk)))
 
     async def _apply_chunk(self, chunk):
-        return await asyncio.to_thread(self.writer.apply_many, [batch for _, batch in chunk])
+        return await self.writer.apply_many_async([batch for _, batch in chunk])
 
     async def _announce(self, msg, announce: WorkerAnnounce) -> None:
         stale = await asyncio.to_thread(self.writer.announce, announce)

@@ -104,21 +104,29 @@ def _watch_visibility(url: str, workers: list[str], results, ready, stop) -> Non
     first_change = None
     ready.set()
     while not stop.is_set():
+        changed: set[str] = set()
         message = pubsub.get_message(timeout=0.1)
-        if not message or message["type"] != "pmessage":
+        while message:  # take every notification already queued, then read each key once
+            if message["type"] == "pmessage":
+                worker = keys.get(message["channel"].decode().split(":", 1)[1])
+                if worker is not None:
+                    changed.add(worker)
+            message = pubsub.get_message(timeout=0)
+        if not changed:
             continue
-        key = message["channel"].decode().split(":", 1)[1]
-        worker = keys.get(key)
-        if worker is None:
-            continue
-        seq = int(client.hget(key, "seq") or 0)
+        pipe = client.pipeline(transaction=False)
+        for worker in changed:
+            pipe.hget(ModelKeys.for_model(MODEL).state(worker), "seq")
+        values = pipe.execute()
         now = time.time()
-        if seq > seen[worker]:
-            first_change = first_change or now
-            for s in range(seen[worker] + 1, seq + 1):
-                visible_at[(worker, s)] = now
-            seen[worker] = seq
-            results.put(("seen", worker, seq))
+        for worker, value in zip(changed, values):
+            seq = int(value or 0)
+            if seq > seen[worker]:
+                first_change = first_change or now
+                for s in range(seen[worker] + 1, seq + 1):
+                    visible_at[(worker, s)] = now
+                seen[worker] = seq
+                results.put(("seen", worker, seq))
     results.put(("done", visible_at, first_change))
 
 
@@ -194,6 +202,27 @@ async def _paced(nats_url: str, messages: list[tuple[str, int, bytes, int]],
     return stamps
 
 
+def _cpu_seconds(pid: int) -> float:
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    import os
+
+    snap = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    snap["bench"] = sum(os.times()[:2])
+    return snap
+
+
+def _cpu_share(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores used by each process over the phase (1.0 = one core busy)."""
+    return {name: round((after[name] - before[name]) / seconds, 2) for name in before}
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -234,11 +263,24 @@ def run_ingest_bench(args) -> int:
             lag_messages = [workload.message(0.0) for _ in range(max(1, int(lag_rate * args.lag_seconds)))]
             watcher = _Watcher(redis_server.url, workload.workers)
             watcher.seen = {w: last.get(w, 0) for w in workload.workers}
+            pids = {"processor": processor.pid, "nats-server": nats_server.pid, "redis-server": redis_server.pid,
+                    "watcher": watcher.process.pid}
+            cpu_before, wall_before = _cpu_snapshot(pids), time.monotonic()
             stamps = asyncio.run(_paced(nats_server.url, lag_messages, lag_rate))
+            cpu = _cpu_share(cpu_before, _cpu_snapshot(pids), time.monotonic() - wall_before)
+            say(f"cores used in the lag phase: {cpu}")
             final = {w: s for w, s, _, _ in lag_messages}
             watcher.wait_for(final, 30, lambda: processor.poll() is None)
             visible_at, _ = watcher.finish()
             lags = [(visible_at[k] - t) * 1000 for k, t in stamps.items() if k in visible_at]
+            import os
+            if os.environ.get("KVTIER_BENCH_TRACE"):
+                t0 = min(stamps.values())
+                series = sorted(((t - t0), (visible_at[k] - t) * 1000) for k, t in stamps.items() if k in visible_at)
+                for w in range(int(args.lag_seconds * 4)):
+                    win = [l for t, l in series if w / 4 <= t < (w + 1) / 4]
+                    if win:
+                        say(f"  t={w / 4:5.2f}s n={len(win):4d} p50={statistics.median(win):7.2f} max={max(win):7.2f}")
             missing = len(stamps) - len(lags)
         finally:
             processor.terminate()
@@ -258,6 +300,7 @@ def run_ingest_bench(args) -> int:
         "lag_p50_ms": round(statistics.median(lags), 2) if lags else None,
         "lag_p99_ms": round(_percentile(lags, 0.99), 2) if lags else None,
         "lag_max_ms": round(max(lags), 2) if lags else None,
+        "lag_phase_cores": cpu,
     }
     say(f"lag: p50 {result['lag_p50_ms']} ms, p99 {result['lag_p99_ms']} ms, max {result['lag_max_ms']} ms "
         f"over {len(lags)} messages ({missing} not seen)")
