@@ -30,7 +30,7 @@ from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.consumers.pull import PullStream
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
 from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, dlq_subject, partition_filter, subject_token
-from kvtier.streams import StreamSettings, ensure_streams
+from kvtier.streams import StreamSettings, connect_nats, ensure_streams
 
 log = logging.getLogger("kvtier.processor")
 
@@ -67,6 +67,13 @@ class ProcessorConfig:
     partitions_explicit: bool = False
 
 
+def _redact(url: str) -> str:
+    """A URL without its password, for logs."""
+    import re
+
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
 class Processor:
     def __init__(self, config: ProcessorConfig):
         self.cfg = config
@@ -80,8 +87,11 @@ class Processor:
         self._last_resync: dict[tuple[str, str], float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await nats.connect(self.cfg.nats_url, name="kvtier-processor", max_reconnect_attempts=-1,
-                                     reconnect_time_wait=0.5)
+        if not await self._wait_for_redis(stop):
+            return
+        self.nc = await connect_nats(self.cfg.nats_url, "kvtier-processor", stop)
+        if self.nc is None:
+            return
         self.js = self.nc.jetstream()
         try:
             total = await ensure_streams(self.js, self.cfg.streams, partitions_explicit=self.cfg.partitions_explicit)
@@ -105,6 +115,20 @@ class Processor:
             await self.nc.close()
             self.redis.close()
             await self.redis_async.aclose()
+
+    async def _wait_for_redis(self, stop: asyncio.Event) -> bool:
+        """Wait until Redis answers, saying clearly what is wrong meanwhile. False if stopped."""
+        while not stop.is_set():
+            try:
+                await self.redis_async.ping()
+                return True
+            except redis.RedisError as exc:
+                log.warning("cannot reach Redis at %s (%s); retrying in 1s", _redact(self.cfg.redis_url), exc)
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return False
 
     # --- consuming --------------------------------------------------------------------------
     async def _subscribe(self, partition: int, rewind: bool) -> PullStream:

@@ -9,6 +9,8 @@ the `Kvtier-Reason` header: bad input is kept, never dropped.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from dataclasses import dataclass
 
@@ -24,7 +26,41 @@ from kvtier.schemas.subjects import (
     partition_transform_dest,
 )
 
+log = logging.getLogger("kvtier.nats")
+
 DEFAULT_PARTITIONS = 8
+
+
+async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, retry_s: float = 1.0):
+    """Connect to NATS, waiting (with a clear warning each time) while it is unreachable:
+    a service started before its broker comes up once the broker does. Returns None if
+    `stop` is set first. After the first connection nats-py reconnects by itself."""
+    import nats
+
+    async def on_error(exc: Exception) -> None:
+        log.debug("NATS client error: %r", exc)
+
+    async def on_disconnect() -> None:
+        log.warning("disconnected from NATS at %s; reconnecting", url)
+
+    while True:
+        try:
+            # A bounded first attempt (nats-py would otherwise retry inside connect() forever,
+            # deaf to SIGTERM); once connected, reconnect without limit.
+            nc = await nats.connect(url, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
+                                    connect_timeout=2, error_cb=on_error, disconnected_cb=on_disconnect)
+            nc.options["max_reconnect_attempts"] = -1
+            return nc
+        except Exception as exc:  # noqa: BLE001 - any failure to connect is reported and retried
+            log.warning("cannot reach NATS at %s (%s); retrying in %.0fs", url, exc or type(exc).__name__, retry_s)
+        if stop is None:
+            await asyncio.sleep(retry_s)
+            continue
+        try:
+            await asyncio.wait_for(stop.wait(), retry_s)
+            return None
+        except asyncio.TimeoutError:
+            pass
 _PARTITION_RE = re.compile(r"partition\((\d+)")
 
 

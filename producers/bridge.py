@@ -52,7 +52,7 @@ from kvtier.schemas.subjects import (
     stored_events_subject_pattern,
 )
 from kvtier.schemas.worker import WorkerMetadata
-from kvtier.streams import StreamSettings, ensure_streams
+from kvtier.streams import StreamSettings, connect_nats, ensure_streams
 
 log = logging.getLogger("kvtier.bridge")
 
@@ -405,8 +405,9 @@ def _port_plus(endpoint: str, offset: int) -> str:
 
 
 async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:
-    nc = await nats.connect(config.nats_url, name=f"kvtier-bridge-{config.worker_id}", max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.5)
+    nc = await connect_nats(config.nats_url, f"kvtier-bridge-{config.worker_id}", stop)
+    if nc is None:
+        return
     zctx = zmq.asyncio.Context()
     try:
         await ensure_streams(nc.jetstream(), config.streams, partitions_explicit=config.partitions_explicit)

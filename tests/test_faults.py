@@ -251,3 +251,32 @@ def test_lease_expiry_removes_a_dead_workers_pages(nats_server, redis_server, re
         finally:
             bridge.stop()
             processor.stop()
+
+
+def test_services_started_before_their_dependencies_wait_say_so_and_recover(tmp_path):
+    """Processor before Redis and NATS, bridge before NATS: each says what it cannot reach,
+    keeps trying, and works once the dependency is up."""
+    from kvtier.embedded import NatsServer, RedisServer
+
+    nats_port, redis_port = free_port(), free_port()
+    nats_url, redis_url = f"nats://127.0.0.1:{nats_port}", f"redis://127.0.0.1:{redis_port}/0"
+    with SglangEventPublisher() as publisher:
+        processor = processor_process(nats_url, redis_url)
+        bridge = bridge_process(publisher, nats_url, "w0", MODEL)
+        try:
+            wait_until(lambda: "cannot reach Redis at redis://127.0.0.1" in processor.output(), timeout=15)
+            wait_until(lambda: "cannot reach NATS at nats://127.0.0.1" in bridge.output(), timeout=15)
+            assert processor.alive() and bridge.alive()
+            with RedisServer(port=redis_port) as redis_server, NatsServer(port=nats_port):
+                import redis as redis_lib
+
+                client = redis_lib.Redis.from_url(redis_server.url)
+                wait_until(lambda: worker_announced(client, MODEL, "w0"), timeout=30,
+                           what=lambda: processor.output()[-1500:] + bridge.output()[-1500:])
+                workload, reference = HiCacheWorkload(seed=12), ReferenceModel()
+                _publish(publisher, workload, reference, 30)
+                _converge(client, reference)
+                assert bridge.stop() == 0 and processor.stop() == 0
+        finally:
+            bridge.stop()
+            processor.stop()
