@@ -177,11 +177,16 @@ class Processor:
                 continue
             try:
                 await self.handle(messages)
-            except redis.RedisError as exc:
-                # Nothing unacked is lost: hand the messages back for redelivery and back off.
-                log.warning("partition %d: Redis unavailable (%s); redelivering %d messages", partition, exc,
-                            len(messages))
-                for msg in messages:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - nothing unacked is lost, so back off and retry
+                if isinstance(exc, redis.RedisError):
+                    log.warning("partition %d: Redis unavailable (%s); redelivering %d messages", partition, exc,
+                                len(messages))
+                else:
+                    log.exception("partition %d: applying %d messages failed; redelivering them", partition,
+                                  len(messages))
+                for msg in messages:  # acked ones refuse the nak; the rest come back in order
                     with contextlib.suppress(Exception):
                         await msg.nak(delay=1.0)
                 await asyncio.sleep(1.0)

@@ -35,6 +35,8 @@ def free_port() -> int:
 
 def port_is_free(port: int) -> bool:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        # as the servers do: connections left in TIME_WAIT by a stopped server do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

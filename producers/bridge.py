@@ -124,6 +124,7 @@ class RankBridge:
         self.lock = asyncio.Lock()
         self.stopping = asyncio.Event()
         self._last_resync = 0.0
+        self._failure: BaseException | None = None
         self._label = config.worker_id
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -135,10 +136,16 @@ class RankBridge:
                 await self._start(await self._load_cursor())
                 await self._announce()
             tasks = [asyncio.create_task(self._live(sub)), asyncio.create_task(self._heartbeat())]
-            await self.stopping.wait()
-            for task in tasks:
+            stopper = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in [stopper, *tasks]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            # Crash-only: a failed loop ends the bridge (non-zero exit) rather than leaving it
+            # half alive; restarted, it resumes its epoch from the stream.
+            for result in [*results, self._failure]:
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                    raise result
         finally:
             await control.unsubscribe()
             sub.close()
@@ -339,12 +346,17 @@ class RankBridge:
             return
         self._last_resync = now
         log.warning("%s: resync requested (%s)", self._label, request.get("reason", ""))
-        async with self.lock:
-            self._begin_epoch(EpochReason.RESYNC_REQUESTED)
-            rebuilt = await self._replay_from(0) if self.replay else None
-            await self._forward(rebuilt or [])
-            if self.pending_reason is not None:
-                await self._publish_events([], None)
+        try:
+            async with self.lock:
+                self._begin_epoch(EpochReason.RESYNC_REQUESTED)
+                rebuilt = await self._replay_from(0) if self.replay else None
+                await self._forward(rebuilt or [])
+                if self.pending_reason is not None:
+                    await self._publish_events([], None)
+        except Exception as exc:  # noqa: BLE001 - a callback's errors would otherwise vanish
+            log.exception("%s: resync failed", self._label)
+            self._failure = exc
+            self.stop()
 
 
 def _decode(raw: RawBatch):

@@ -280,3 +280,37 @@ def test_services_started_before_their_dependencies_wait_say_so_and_recover(tmp_
         finally:
             bridge.stop()
             processor.stop()
+
+
+def test_redis_outage_mid_stream_is_ridden_out(nats_server):
+    """Redis stops (clean shutdown, AOF on) while events keep coming: the processor hands
+    its messages back, says Redis is unavailable, and catches up once Redis is back."""
+    import redis as redis_lib
+
+    from kvtier.embedded import RedisServer
+
+    redis_server = RedisServer(appendonly=True).start()
+    try:
+        client = redis_lib.Redis.from_url(redis_server.url)
+        with SglangEventPublisher() as publisher:
+            processor = processor_process(nats_server.url, redis_server.url)
+            bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
+            try:
+                wait_until(lambda: worker_announced(client, MODEL, "w0"))
+                workload, reference = HiCacheWorkload(seed=13), ReferenceModel()
+                _publish(publisher, workload, reference, 40)
+                _converge(client, reference)
+                redis_server.stop()
+                _publish(publisher, workload, reference, 40)
+                wait_until(lambda: "Redis unavailable" in processor.output(), timeout=20)
+                redis_server.start()
+                client = redis_lib.Redis.from_url(redis_server.url)
+                _converge(client, reference)
+                state = read_worker_state(client, MODEL, "w0")
+                assert state["epochs"] == "1" and state["stale"] == "0"  # nothing had to be rebuilt
+                assert processor.alive()
+            finally:
+                bridge.stop()
+                processor.stop()
+    finally:
+        redis_server.cleanup()
