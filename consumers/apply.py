@@ -75,6 +75,15 @@ class TierStateWriter:
         self._expire = client.register_script(_EXPIRE_LUA)
         self._async_client = async_client
         self._apply_async = async_client.register_script(_APPLY_LUA) if async_client is not None else None
+        self._registered_models: set[str] = set()
+
+    def _register_models(self, batches: Sequence[EventBatch]) -> None:
+        """Record each model in `kvt:models` once per process (outside the script: that key
+        lives in another hash slot), so housekeeping and readers can find its workers."""
+        new = {ModelKeys.for_model(b.model).model_token for b in batches} - self._registered_models
+        if new:
+            self.client.sadd(MODELS_KEY, *new)
+            self._registered_models |= new
 
     @staticmethod
     def _call_args(batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
@@ -87,6 +96,7 @@ class TierStateWriter:
         )
 
     def apply(self, batch: EventBatch, mode: ApplyMode = ApplyMode.NEXT) -> ApplyResult:
+        self._register_models([batch])
         keys, args = self._call_args(batch, mode, _now_ms())
         return _result(self._apply(keys=keys, args=args))
 
@@ -95,10 +105,8 @@ class TierStateWriter:
         each call is still atomic and order-checked on its own)."""
         if not batches:
             return []
-        now_ms = _now_ms()
         pipe = self.client.pipeline(transaction=False)
-        for batch in batches:
-            keys, args = self._call_args(batch, ApplyMode.NEXT, now_ms)
+        for keys, args in self._calls(batches):
             self._apply(keys=keys, args=args, client=pipe)
         return [_result(r) for r in pipe.execute()]
 
@@ -107,12 +115,15 @@ class TierStateWriter:
             raise RuntimeError("TierStateWriter was created without an asyncio client")
         if not batches:
             return []
-        now_ms = _now_ms()
         pipe = self._async_client.pipeline(transaction=False)
-        for batch in batches:
-            keys, args = self._call_args(batch, ApplyMode.NEXT, now_ms)
+        for keys, args in self._calls(batches):
             await self._apply_async(keys=keys, args=args, client=pipe)
         return [_result(r) for r in await pipe.execute()]
+
+    def _calls(self, batches: Sequence[EventBatch]):
+        self._register_models(batches)
+        now_ms = _now_ms()
+        return (self._call_args(batch, ApplyMode.NEXT, now_ms) for batch in batches)
 
     def announce(self, announce: WorkerAnnounce, received_at: float | None = None) -> bool:
         """Record worker metadata and extend its lease (measured from receipt, so bridge

@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--lag-seconds", type=_positive_float, default=10.0, help="Duration of the lag phase.")
     ingest.add_argument("--lag-rate", type=_positive_float, default=None,
                         help="Transitions/s in the lag phase (default: half the measured throughput).")
+    ingest.add_argument("--trace", action="store_true",
+                        help="Also print lag p50/max per quarter second of the lag phase (to see bursts).")
     ingest.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(ingest)
     return parser

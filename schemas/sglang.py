@@ -46,29 +46,27 @@ SglangEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 # --- array encoding (<= 0.5.19): ["BlockStored", hashes, parent, tokens, size, lora, medium]
-class _ArrayEvent(msgspec.Struct, array_like=True, tag=True):
+# Same fields, same tags, laid out as tagged arrays: declared by inheriting the map types.
+class _ArrayBlockStored(BlockStored, array_like=True):
     pass
 
 
-class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[WireBlockHash]
-    parent_block_hash: Union[WireBlockHash, None]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
+class _ArrayBlockRemoved(BlockRemoved, array_like=True):
+    pass
 
 
-class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[WireBlockHash]
-    medium: Union[str, None] = None
-
-
-class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True):
     pass
 
 
 _ArrayEventUnion = Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
+_AS_MAP = {_ArrayBlockStored: BlockStored, _ArrayBlockRemoved: BlockRemoved,
+           _ArrayAllBlocksCleared: AllBlocksCleared}
+_AS_ARRAY = {v: k for k, v in _AS_MAP.items()}
+
+
+def _relayout(event, table):
+    return table[type(event)](**msgspec.structs.asdict(event))
 
 
 class SglangBatch(msgspec.Struct, array_like=True):
@@ -95,26 +93,11 @@ _array_decoder = msgspec.msgpack.Decoder(_ArrayEventUnion)
 _MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 
 
-def _from_array(event: Any) -> SglangEvent:
-    if isinstance(event, _ArrayBlockStored):
-        return BlockStored(
-            block_hashes=event.block_hashes,
-            parent_block_hash=event.parent_block_hash,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=event.lora_id,
-            medium=event.medium,
-        )
-    if isinstance(event, _ArrayBlockRemoved):
-        return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
-    return AllBlocksCleared()
-
-
 def decode_event(raw: bytes) -> SglangEvent:
     """Decode one event in either encoding; raises msgspec.DecodeError/ValidationError."""
     if raw[:1] and raw[0] in _MAP_FIRST_BYTES:
         return _map_decoder.decode(raw)
-    return _from_array(_array_decoder.decode(raw))
+    return _relayout(_array_decoder.decode(raw), _AS_MAP)
 
 
 def decode_payload(payload: bytes) -> DecodedBatch:
@@ -142,17 +125,7 @@ _encoder = msgspec.msgpack.Encoder()
 def encode_payload(ts: float, events: list[SglangEvent], attn_dp_rank: int | None = None,
                    array_encoding: bool = False) -> bytes:
     """Encode a batch the way SGLang does: maps (>=0.5.20) or tagged arrays (<=0.5.19)."""
-    encoded: list[Any] = []
-    for event in events:
-        if not array_encoding:
-            encoded.append(event)
-        elif isinstance(event, BlockStored):
-            encoded.append(["BlockStored", event.block_hashes, event.parent_block_hash,
-                            event.token_ids, event.block_size, event.lora_id, event.medium])
-        elif isinstance(event, BlockRemoved):
-            encoded.append(["BlockRemoved", event.block_hashes, event.medium])
-        else:
-            encoded.append(["AllBlocksCleared"])
+    encoded = [_relayout(event, _AS_ARRAY) for event in events] if array_encoding else events
     body: list[Any] = [ts, encoded] if attn_dp_rank is None else [ts, encoded, attn_dp_rank]
     return _encoder.encode(body)
 

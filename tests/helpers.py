@@ -151,3 +151,61 @@ async def read_dead_letters(nats_url: str, expected: int, timeout: float = 15.0)
         out.append((msg.subject, dict(msg.headers or {}), msg.data))
     await nc.close()
     return out
+
+
+class RunningPipeline:
+    """An SGLang-format publisher, one `kvtier bridge` on it and one `kvtier processor`,
+    running until the `with` block ends (each process stopped by PID)."""
+
+    def __init__(self, nats_url: str, redis_url: str, model: str, worker: str = "w0",
+                 bridge_args: tuple[str, ...] = (), processor_args: tuple[str, ...] = (), publisher=None,
+                 wait_announced: bool = True):
+        from kvtier.producers.sglang_publisher import SglangEventPublisher
+
+        self.nats_url, self.redis_url, self.model, self.worker = nats_url, redis_url, model, worker
+        self.bridge_args, self.processor_args = bridge_args, processor_args
+        self.publisher = publisher or SglangEventPublisher()
+        self.client = redis.Redis.from_url(redis_url)
+        self.processor = self.start_processor()
+        self.bridge = self.start_bridge()
+        if wait_announced:
+            wait_until(lambda: worker_announced(self.client, model, worker), what="worker announced",
+                       timeout=30)
+
+    def start_processor(self) -> KvtierProcess:
+        self.processor = processor_process(self.nats_url, self.redis_url, *self.processor_args)
+        return self.processor
+
+    def start_bridge(self) -> KvtierProcess:
+        self.bridge = bridge_process(self.publisher, self.nats_url, self.worker, self.model, 4, *self.bridge_args)
+        return self.bridge
+
+    def publish(self, workload: HiCacheWorkload, reference: ReferenceModel, batches: int, deliver: bool = True):
+        for _ in range(batches):
+            events = workload.next_batch()
+            self.publisher.publish(events, deliver=deliver)
+            reference.apply(events)
+
+    def converge(self, reference: ReferenceModel, timeout: float = 30, client: redis.Redis | None = None) -> None:
+        client = client or self.client
+        wait_until(lambda: state_matches(client, self.model, self.worker, reference), timeout=timeout,
+                   what=lambda: describe_diff(client, self.model, self.worker, reference)
+                   + f"\nprocessor: {self.processor.output()[-1500:]}\nbridge: {self.bridge.output()[-1500:]}")
+
+    def state(self, client: redis.Redis | None = None) -> dict[str, str]:
+        return read_worker_state(client or self.client, self.model, self.worker)
+
+    def __enter__(self) -> "RunningPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            bridge_rc = self.bridge.stop()
+            processor_rc = self.processor.stop()
+        finally:
+            self.bridge.kill()
+            self.processor.kill()
+            self.publisher.close()
+        if exc[0] is None:
+            assert bridge_rc in (0, -9), self.bridge.output()[-3000:]
+            assert processor_rc in (0, -9), self.processor.output()[-3000:]

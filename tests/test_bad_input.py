@@ -6,20 +6,17 @@ import msgspec
 import nats
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.events import encode_message
 from kvtier.schemas.sglang import BlockStored, encode_seq
 from kvtier.schemas.subjects import events_subject
 from kvtier.streams import StreamSettings, ensure_streams
 
 from .helpers import (
-    bridge_process,
+    RunningPipeline,
     kvtier_batch,
     processor_process,
-    publish_batches,
     read_dead_letters,
     wait_until,
-    worker_announced,
 )
 
 MODEL = "m-bad"
@@ -29,39 +26,33 @@ def stored(h, medium="GPU", block_size=4):
     return BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[], block_size=block_size, medium=medium)
 
 
-def test_bad_engine_input_is_dead_lettered_and_the_bridge_keeps_going(nats_server, redis_server, redis_client):
-    with SglangEventPublisher() as publisher:
-        processor = processor_process(nats_server.url, redis_server.url)
-        bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
-        try:
-            wait_until(lambda: worker_announced(redis_client, MODEL, "w0"))
-            publisher.publish([stored(1)])
-            good = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
-                                                  "token_ids": [], "block_size": 4, "medium": "GPU"}]])
-            publisher.publish_payload(good[:-5])  # truncated msgpack
-            publisher.publish_payload(msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": ["x"],
-                                                                     "parent_block_hash": None, "token_ids": [],
-                                                                     "block_size": 4}]]))  # wrong type
-            publisher.publish([stored(3, medium="SSD_TIER9"), stored(4)])  # unknown medium beside a good event
-            publisher.publish([stored(5, block_size=-4)])  # negative page size
-            publisher._pub.send_multipart([b"", encode_seq(99)])  # two frames instead of three
-            publisher.publish([stored(6, medium="CPU_PINNED")])
-            wait_until(lambda: set(read_worker_pages(redis_client, MODEL, "w0")) == {1, 4, 6},
-                       what=lambda: f"{read_worker_pages(redis_client, MODEL, 'w0')}\n{bridge.output()[-2000:]}")
-            letters = asyncio.run(read_dead_letters(nats_server.url, 5))
-            reasons = [headers["Kvtier-Reason"] for _subject, headers, _data in letters]
-            assert len(letters) == 5, reasons
-            assert all(subject == "kvtier.dlq.bridge.m-bad.w0" for subject, _, _ in letters)
-            assert any("truncated" in r for r in reasons), reasons
-            assert any("Expected `int`, got `str`" in r for r in reasons), reasons
-            assert any("unknown medium 'SSD_TIER9'" in r for r in reasons), reasons
-            assert any("page size (block_size) must be positive, got -4" in r for r in reasons), reasons
-            assert any("bad ZMQ frames" in r for r in reasons), reasons
-            # the truncated payload is kept byte for byte: nothing is lost
-            assert any(data == good[:-5] for _, _, data in letters)
-        finally:
-            bridge.stop()
-            processor.stop()
+def test_bad_engine_input_is_dead_lettered_and_the_bridge_keeps_going(nats_server, redis_server):
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+        publisher = run.publisher
+        publisher.publish([stored(1)])
+        good = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
+                                              "token_ids": [], "block_size": 4, "medium": "GPU"}]])
+        publisher.publish_payload(good[:-5])  # truncated msgpack
+        publisher.publish_payload(msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": ["x"],
+                                                                 "parent_block_hash": None, "token_ids": [],
+                                                                 "block_size": 4}]]))  # wrong type
+        publisher.publish([stored(3, medium="SSD_TIER9"), stored(4)])  # unknown medium beside a good event
+        publisher.publish([stored(5, block_size=-4)])  # negative page size
+        publisher._pub.send_multipart([b"", encode_seq(99)])  # two frames instead of three
+        publisher.publish([stored(6, medium="CPU_PINNED")])
+        wait_until(lambda: set(read_worker_pages(run.client, MODEL, "w0")) == {1, 4, 6},
+                   what=lambda: f"{read_worker_pages(run.client, MODEL, 'w0')}\n{run.bridge.output()[-2000:]}")
+        letters = asyncio.run(read_dead_letters(nats_server.url, 5))
+        reasons = [headers["Kvtier-Reason"] for _subject, headers, _data in letters]
+        assert len(letters) == 5, reasons
+        assert all(subject == "kvtier.dlq.bridge.m-bad.w0" for subject, _, _ in letters)
+        assert any("truncated" in r for r in reasons), reasons
+        assert any("Expected `int`, got `str`" in r for r in reasons), reasons
+        assert any("unknown medium 'SSD_TIER9'" in r for r in reasons), reasons
+        assert any("page size (block_size) must be positive, got -4" in r for r in reasons), reasons
+        assert any("bad ZMQ frames" in r for r in reasons), reasons
+        # the truncated payload is kept byte for byte: nothing is lost
+        assert any(data == good[:-5] for _, _, data in letters)
 
 
 def test_bad_stream_messages_are_dead_lettered_and_the_processor_keeps_going(nats_server, redis_server, redis_client):

@@ -20,7 +20,7 @@ def test_help_explains_every_flag(command):
         if action.dest == "help":
             continue
         assert action.help and len(action.help) > 25, f"{command} {action.option_strings} has no real help"
-        assert f"[env KVTIER_" in action.help
+        assert "[env KVTIER_" in action.help
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", command, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--nats" in out.stdout
 

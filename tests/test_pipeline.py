@@ -4,14 +4,15 @@ import time
 
 import pytest
 
-from kvtier.consumers.apply import read_page_holders, read_worker_pages, read_worker_state
+from kvtier.consumers.apply import read_page_holders, read_worker_pages
 from kvtier.schemas.tiers import tiers_of_bits
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 
 from .helpers import (
     HiCacheWorkload,
+    KvtierProcess,
     ReferenceModel,
-    bridge_process,
+    RunningPipeline,
     describe_diff,
     processor_process,
     state_matches,
@@ -23,58 +24,39 @@ MODEL = "meta-llama/Llama-3.1-8B"
 
 
 @pytest.mark.parametrize("array_encoding", [False, True], ids=["map-events", "array-events"])
-def test_round_trip_matches_reference(nats_server, redis_server, redis_client, array_encoding):
-    with SglangEventPublisher(array_encoding=array_encoding) as publisher:
-        processor = processor_process(nats_server.url, redis_server.url)
-        bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
-        try:
-            wait_until(lambda: worker_announced(redis_client, MODEL, "w0"), what="worker announced")
-            workload, reference = HiCacheWorkload(seed=1), ReferenceModel()
-            for _ in range(300):
-                events = workload.next_batch()
-                publisher.publish(events)
-                reference.apply(events)
-            wait_until(lambda: state_matches(redis_client, MODEL, "w0", reference), timeout=30,
-                       what=lambda: describe_diff(redis_client, MODEL, "w0", reference))
-            assert len(reference.pages) > 50
-            # the tier bits a router reads for a request's pages say the same
-            holders = read_page_holders(redis_client, MODEL, ["w0"], list(reference.pages))
-            assert [set(tiers_of_bits(h["w0"])) for h in holders] == list(reference.pages.values())
-            state = read_worker_state(redis_client, MODEL, "w0")
-            assert state["stale"] == "0"
-            assert state["last_epoch_reason"] == "bridge_start"
-        finally:
-            assert bridge.stop() == 0, bridge.output()
-            assert processor.stop() == 0, processor.output()
+def test_round_trip_matches_reference(nats_server, redis_server, array_encoding):
+    publisher = SglangEventPublisher(array_encoding=array_encoding)
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL, publisher=publisher) as run:
+        workload, reference = HiCacheWorkload(seed=1), ReferenceModel()
+        run.publish(workload, reference, 300)
+        run.converge(reference)
+        assert len(reference.pages) > 50
+        # the tier bits a router reads for a request's pages say the same
+        holders = read_page_holders(run.client, MODEL, ["w0"], list(reference.pages))
+        assert [set(tiers_of_bits(h["w0"])) for h in holders] == list(reference.pages.values())
+        state = run.state()
+        assert state["stale"] == "0"
+        assert state["last_epoch_reason"] == "bridge_start"
 
 
-def test_store_before_remove_never_invisible(nats_server, redis_server, redis_client):
+def test_store_before_remove_never_invisible(nats_server, redis_server):
     """A concurrent reader never sees a page vanish from every tier before its final removal."""
-    with SglangEventPublisher() as publisher:
-        processor = processor_process(nats_server.url, redis_server.url)
-        bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
-        try:
-            wait_until(lambda: worker_announced(redis_client, MODEL, "w0"), what="worker announced")
-            workload, reference = HiCacheWorkload(seed=7), ReferenceModel()
-            watcher = VanishWatcher()
-            for i in range(400):
-                events = workload.next_batch()
-                publisher.publish(events)
-                reference.apply(events)
-                if i % 4 == 0:
-                    watcher.observe(read_worker_pages(redis_client, MODEL, "w0"))
-            deadline = time.monotonic() + 30
-            while not state_matches(redis_client, MODEL, "w0", reference) and time.monotonic() < deadline:
-                watcher.observe(read_worker_pages(redis_client, MODEL, "w0"))
-            assert state_matches(redis_client, MODEL, "w0", reference), describe_diff(redis_client, MODEL, "w0", reference)
-            assert watcher.polls > 50
-            assert watcher.vanished_then_back == set()
-            # every page that left the state for good was finally removed by the worker
-            assert watcher.gone <= workload.finally_removed
-            assert len(watcher.gone) > 0
-        finally:
-            bridge.stop()
-            processor.stop()
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+        workload, reference = HiCacheWorkload(seed=7), ReferenceModel()
+        watcher = VanishWatcher()
+        for i in range(400):
+            run.publish(workload, reference, 1)
+            if i % 4 == 0:
+                watcher.observe(read_worker_pages(run.client, MODEL, "w0"))
+        deadline = time.monotonic() + 30
+        while not state_matches(run.client, MODEL, "w0", reference) and time.monotonic() < deadline:
+            watcher.observe(read_worker_pages(run.client, MODEL, "w0"))
+        run.converge(reference)
+        assert watcher.polls > 50
+        assert watcher.vanished_then_back == set()
+        # every page that left the state for good was finally removed by the worker
+        assert watcher.gone <= workload.finally_removed
+        assert len(watcher.gone) > 0
 
 
 class VanishWatcher:
@@ -120,8 +102,6 @@ def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redi
             continue
     assert base is not None
     processor = processor_process(nats_server.url, redis_server.url)
-    from .helpers import KvtierProcess
-
     bridge = KvtierProcess("bridge", "--endpoint", f"tcp://127.0.0.1:{base}", "--worker-id", "engine7", "--model",
                            MODEL, "--page-size", "4", "--nats", nats_server.url, "--dp-size", "2", "--heartbeat", "0.5")
     try:

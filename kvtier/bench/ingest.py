@@ -229,7 +229,6 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_ingest_bench(args) -> int:
-    from kvtier.cli import _positive_int  # noqa: F401 - keeps the CLI import light elsewhere
     import subprocess
 
     workload = _Workload(args.workers, args.pages_per_event, args.events_per_message, token_ids=True)
@@ -273,8 +272,7 @@ def run_ingest_bench(args) -> int:
             watcher.wait_for(final, 30, lambda: processor.poll() is None)
             visible_at, _ = watcher.finish()
             lags = [(visible_at[k] - t) * 1000 for k, t in stamps.items() if k in visible_at]
-            import os
-            if os.environ.get("KVTIER_BENCH_TRACE"):
+            if args.trace:
                 t0 = min(stamps.values())
                 series = sorted(((t - t0), (visible_at[k] - t) * 1000) for k, t in stamps.items() if k in visible_at)
                 for w in range(int(args.lag_seconds * 4)):
