@@ -7,9 +7,10 @@ import errno
 
 def user_facing(exc: BaseException) -> str | None:
     from kvtier.embedded import MissingServerBinary, ServerStartError
+    from kvtier.bench.dynamo_side import DynamoMissing
     from kvtier.streams import StreamMismatch
 
-    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, ValueError)):
+    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, DynamoMissing, ValueError)):
         return str(exc)
     try:
         import redis

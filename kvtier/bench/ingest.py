@@ -300,6 +300,12 @@ def run_ingest_bench(args) -> int:
         "lag_max_ms": round(max(lags), 2) if lags else None,
         "lag_phase_cores": cpu,
     }
+    if args.dynamo:
+        from kvtier.bench.dynamo_side import dynamo_apply_rate
+
+        result.update(dynamo_apply_rate(payloads))
+        say(f"Dynamo RadixTree.apply_event, device-tier events of the same messages, in process: "
+            f"{result['dynamo_transitions_per_s']:,} transitions/s")
     say(f"lag: p50 {result['lag_p50_ms']} ms, p99 {result['lag_p99_ms']} ms, max {result['lag_max_ms']} ms "
         f"over {len(lags)} messages ({missing} not seen)")
     if args.json:
