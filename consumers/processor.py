@@ -105,6 +105,7 @@ class Processor:
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
             stop.set()
+            stopper.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):

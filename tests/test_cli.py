@@ -1,11 +1,17 @@
 """The `kvtier` command: help that explains every flag, env-var defaults, the demo."""
 
+import asyncio
 import subprocess
 import sys
 
+import nats
+import nats.js.errors
 import pytest
 
 from kvtier.cli import build_parser
+from kvtier.schemas.subjects import EVENTS_STREAM
+
+from .helpers import wait_until
 
 
 def _subparser(name):
@@ -50,3 +56,35 @@ def test_demo_runs_end_to_end_and_verifies_itself():
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.strip().startswith("worker-")]
     assert len(rows) == 2 and all(row.rstrip().endswith("yes") for row in rows), out.stdout
+
+
+def test_processor_refuses_partitions_the_stream_does_not_have(nats_server, redis_server):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url, "--redis",
+                          redis_server.url, "--partitions", "6-9"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "partitions [8, 9] do not exist: the stream has 8 (0..7)" in out.stderr
+
+
+def test_a_second_partition_count_is_refused(nats_server, redis_server):
+    args = [sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url, "--redis", redis_server.url,
+            "--partitions", "0", "--stream-partitions"]
+    first = subprocess.Popen([*args, "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: asyncio.run(_stream_exists(nats_server.url)), timeout=20)
+        out = subprocess.run([*args, "8"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        assert "has 4 partitions, but 8 were requested" in out.stderr
+    finally:
+        first.terminate()
+        first.wait(15)
+
+
+async def _stream_exists(url: str) -> bool:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().stream_info(EVENTS_STREAM)
+        return True
+    except nats.js.errors.NotFoundError:
+        return False
+    finally:
+        await nc.close()
