@@ -20,7 +20,7 @@ import redis
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, PageKey, block_hash_from_page_key, page_keys_blob
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
-from kvtier.schemas.tiers import Tier, tiers_of_bits
+from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
 
 class ApplyStatus(enum.IntEnum):
@@ -89,7 +89,7 @@ class TierStateWriter:
     def _call_args(batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
         keys = ModelKeys.for_model(batch.model)
         return (
-            [keys.state(batch.worker_id), keys.pages(batch.worker_id), keys.workers],
+            [keys.state(batch.worker_id), keys.workers, *keys.tier_sets(batch.worker_id)],
             ["", batch.worker_id, batch.epoch, batch.seq, mode.value,
              batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
              *_script_ops(batch)],
@@ -152,7 +152,8 @@ class TierStateWriter:
         return stale
 
     def expire_dead_workers(self, now: float | None = None) -> list[tuple[str, str, int]]:
-        """Clear every worker whose lease ran out. Returns (model token, worker, pages removed)."""
+        """Clear every worker whose lease ran out. Returns (model token, worker, page-tier
+        entries removed)."""
         now_ms = int((now or time.time()) * 1000)
         removed: list[tuple[str, str, int]] = []
         for token in sorted(self.client.smembers(MODELS_KEY)):
@@ -160,7 +161,7 @@ class TierStateWriter:
             for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
                 worker_id = worker.decode() if isinstance(worker, bytes) else worker
                 pages = int(self._expire(
-                    keys=[keys.state(worker_id), keys.pages(worker_id), keys.leases],
+                    keys=[keys.state(worker_id), keys.leases, *keys.tier_sets(worker_id)],
                     args=[worker_id, now_ms],
                 ))
                 if pages >= 0:
@@ -179,12 +180,17 @@ def _result(raw) -> ApplyResult:
 
 # --- readers used by tests, replay and debugging tools -------------------------------------
 def read_worker_pages(client: redis.Redis, model: str, worker_id: str) -> dict[BlockHash, set[Tier]]:
-    """A worker's pages and the tiers each is on, from the per-worker index."""
-    raw = client.hgetall(ModelKeys.for_model(model).pages(worker_id))
-    return {
-        block_hash_from_page_key(PageKey(k.decode() if isinstance(k, bytes) else k)): set(tiers_of_bits(int(v)))
-        for k, v in raw.items()
-    }
+    """A worker's pages and the tiers each is on, read from its tier sets in one round trip."""
+    keys = ModelKeys.for_model(model)
+    pipe = client.pipeline(transaction=True)  # one consistent snapshot across the tier sets
+    for key in keys.tier_sets(worker_id):
+        pipe.smembers(key)
+    pages: dict[BlockHash, set[Tier]] = {}
+    for tier, members in zip(TIER_PRIORITY, pipe.execute()):
+        for member in members:
+            page = PageKey(member.decode() if isinstance(member, bytes) else member)
+            pages.setdefault(block_hash_from_page_key(page), set()).add(tier)
+    return pages
 
 
 def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[str, str]:
@@ -195,17 +201,21 @@ def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[s
 
 def read_page_holders(client: redis.Redis, model: str, worker_ids: Iterable[str],
                       hashes: Sequence[BlockHash]) -> list[dict[str, int]]:
-    """For each page, worker -> tier bits, over the given workers (one HMGET per worker)."""
+    """For each page, worker -> tier bits, over the given workers (SMISMEMBER per tier set)."""
     keys = ModelKeys.for_model(model)
-    fields = [page_keys_blob([h]) for h in hashes]
+    members = [page_keys_blob([h]) for h in hashes]
     workers = list(worker_ids)
+    holders: list[dict[str, int]] = [{} for _ in hashes]
+    if not members or not workers:
+        return holders
     pipe = client.pipeline(transaction=False)
     for worker_id in workers:
-        pipe.hmget(keys.pages(worker_id), fields) if fields else pipe.ping()
-    rows = pipe.execute() if workers else []
-    holders: list[dict[str, int]] = [{} for _ in hashes]
-    for worker_id, values in zip(workers, rows):
-        for i, value in enumerate(values if fields else []):
-            if value is not None:
-                holders[i][worker_id] = int(value)
+        for key in keys.tier_sets(worker_id):
+            pipe.smismember(key, members)
+    rows = iter(pipe.execute())
+    for worker_id in workers:
+        for tier in TIER_PRIORITY:
+            for i, present in enumerate(next(rows)):
+                if present:
+                    holders[i][worker_id] = holders[i].get(worker_id, 0) | tier.bit
     return holders

@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--lag-seconds", type=_positive_float, default=10.0, help="Duration of the lag phase.")
     ingest.add_argument("--lag-rate", type=_positive_float, default=None,
                         help="Transitions/s in the lag phase (default: half the measured throughput).")
+    ingest.add_argument("--no-token-ids", action="store_true",
+                        help="Messages without token ids (as from `kvtier bridge --drop-token-ids`): ~4x smaller.")
     ingest.add_argument("--dynamo", action="store_true",
                         help="Also time Dynamo's RadixTree.apply_event on the device-tier events of the same messages "
                              "(needs: pip install -e '.[bench-dynamo]').")

@@ -231,7 +231,7 @@ def _percentile(values: list[float], q: float) -> float:
 def run_ingest_bench(args) -> int:
     import subprocess
 
-    workload = _Workload(args.workers, args.pages_per_event, args.events_per_message, token_ids=True)
+    workload = _Workload(args.workers, args.pages_per_event, args.events_per_message, token_ids=not args.no_token_ids)
     per_message = args.pages_per_event * args.events_per_message
     count = max(1, args.transitions // per_message)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -290,6 +290,7 @@ def run_ingest_bench(args) -> int:
         "transitions_per_message": per_message,
         "mean_message_bytes": round(mean_bytes),
         "workers": args.workers,
+        "token_ids": not args.no_token_ids,
         "seconds": round(elapsed, 4),
         "transitions_per_s": round(rate),
         "lag_rate_transitions_per_s": round(lag_transitions),
