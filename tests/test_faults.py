@@ -8,10 +8,12 @@ import urllib.request
 
 import msgspec
 import nats
+import pytest
 import redis as redis_lib
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
 from kvtier.embedded import NatsServer, RedisServer, free_port
+from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.sglang import BlockRemoved, BlockStored
 from kvtier.schemas.subjects import control_subject
 
@@ -79,8 +81,10 @@ def test_publisher_restart_starts_a_new_epoch(nats_server, redis_server):
         assert run.state()["last_epoch_reason"] == "publisher_restart"
 
 
-def test_dropped_zmq_batch_is_recovered_from_the_replay_socket(nats_server, redis_server):
-    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+@pytest.mark.parametrize("topic_frame", [True, False], ids=["replay>=0.5.22", "replay<0.5.22"])
+def test_dropped_zmq_batch_is_recovered_from_the_replay_socket(nats_server, redis_server, topic_frame):
+    publisher = SglangEventPublisher(replay_topic_frame=topic_frame)
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL, publisher=publisher) as run:
         workload, reference = HiCacheWorkload(seed=6), ReferenceModel()
         run.publish(workload, reference, 50)
         run.publish(workload, reference, 3, deliver=False)  # lost on the PUB path
