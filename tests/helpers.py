@@ -81,6 +81,20 @@ class KvtierProcess:
             self.proc.wait(5)
 
 
+def stop_all(*processes: "KvtierProcess") -> list[int]:
+    """Stop every process (SIGTERM, SIGKILL after a grace period) before reporting any that
+    ignored SIGTERM, so one stuck process never leaves the others running."""
+    codes, errors = [], []
+    for process in processes:
+        try:
+            codes.append(process.stop())
+        except AssertionError as exc:
+            codes.append(None)
+            errors.append(str(exc))
+    assert not errors, "\n".join(errors)
+    return codes
+
+
 def bridge_process(publisher, nats_url: str, worker: str, model: str, page_size: int = 4, *extra: str) -> KvtierProcess:
     args = ["bridge", "--endpoint", publisher.endpoint, "--worker-id", worker, "--model", model,
             "--page-size", str(page_size), "--nats", nats_url, "--heartbeat", "0.5", *extra]
@@ -169,8 +183,13 @@ class RunningPipeline:
         self.processor = self.start_processor()
         self.bridge = self.start_bridge()
         if wait_announced:
-            wait_until(lambda: worker_announced(self.client, model, worker), what="worker announced",
-                       timeout=30)
+            try:
+                wait_until(lambda: worker_announced(self.client, model, worker), timeout=30,
+                           what=lambda: f"worker announced\nprocessor: {self.processor.output()[-1500:]}\n"
+                                        f"bridge: {self.bridge.output()[-1500:]}")
+            except BaseException:
+                self.__exit__(None, None, None)  # no `with` block will run: stop what we started
+                raise
 
     def start_processor(self) -> KvtierProcess:
         self.processor = processor_process(self.nats_url, self.redis_url, *self.processor_args)

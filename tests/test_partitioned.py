@@ -15,6 +15,7 @@ from .helpers import (
     processor_process,
     publish_batches,
     state_matches,
+    stop_all,
     wait_until,
 )
 
@@ -43,8 +44,7 @@ def test_two_processors_share_partitions_and_keep_per_worker_order(nats_server, 
         assert sum(delivered[p] for p in range(4)) > 0 and sum(delivered[p] for p in range(4, 8)) > 0, delivered
         assert sum(delivered.values()) >= len(batches)
     finally:
-        assert first.stop() == 0, first.output()
-        assert second.stop() == 0, second.output()
+        assert stop_all(first, second) == [0, 0], first.output() + second.output()
 
 
 async def _delivered_per_partition(url):

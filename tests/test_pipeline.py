@@ -16,6 +16,7 @@ from .helpers import (
     describe_diff,
     processor_process,
     state_matches,
+    stop_all,
     wait_until,
     worker_announced,
 )
@@ -124,7 +125,6 @@ def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redi
         meta = json.loads(redis_client.get(ModelKeys.for_model(MODEL).meta("engine7-dp1")))
         assert meta["engine_worker_id"] == "engine7" and meta["dp_rank"] == 1 and meta["dp_size"] == 2
     finally:
-        bridge.stop()
-        processor.stop()
         for p in publishers:
             p.close()
+        stop_all(bridge, processor)
