@@ -27,6 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import PullStream
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
 from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, dlq_subject, partition_filter, subject_token
@@ -65,6 +66,8 @@ class ProcessorConfig:
     resync_min_interval_s: float = 2.0
     streams: StreamSettings = field(default_factory=StreamSettings)
     partitions_explicit: bool = False
+    auto_partitions: bool = False  # claim a fair share of partitions through Redis leases
+    partition_lease_s: float = 5.0
 
 
 def _redact(url: str) -> str:
@@ -95,12 +98,16 @@ class Processor:
         self.js = self.nc.jetstream()
         try:
             total = await ensure_streams(self.js, self.cfg.streams, partitions_explicit=self.cfg.partitions_explicit)
-            self.partitions = self.cfg.partitions if self.cfg.partitions is not None else list(range(total))
+            self.partitions = (self.cfg.partitions if self.cfg.partitions is not None and not self.cfg.auto_partitions
+                               else list(range(total)))
             bad = [p for p in self.partitions if not 0 <= p < total]
             if bad:
                 raise ValueError(f"partitions {bad} do not exist: the stream has {total} (0..{total - 1})")
-            log.info("processor owns partitions %s of %d", self.partitions, total)
-            tasks = [asyncio.create_task(self._consume(p, stop)) for p in self.partitions]
+            if self.cfg.auto_partitions:
+                tasks = [asyncio.create_task(self._own_partitions_dynamically(total, stop))]
+            else:
+                log.info("processor owns partitions %s of %d", self.partitions, total)
+                tasks = [asyncio.create_task(self._consume(p, stop)) for p in self.partitions]
             tasks.append(asyncio.create_task(self._housekeeping(stop)))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -157,6 +164,56 @@ class Processor:
             except nats.js.errors.BadRequestError:
                 pass  # another processor created it meanwhile
         return await PullStream(self.nc, EVENTS_STREAM, durable, self.cfg.fetch_batch).start()
+
+    async def _own_partitions_dynamically(self, total: int, stop: asyncio.Event) -> None:
+        """Hold a fair share of the partitions, taking over those whose owner died."""
+        import os
+        import socket
+
+        leases = PartitionLeases(self.redis, f"{socket.gethostname()}:{os.getpid()}:{id(self):x}", total,
+                                 self.cfg.partition_lease_s)
+        running: dict[int, tuple[asyncio.Event, asyncio.Task]] = {}
+
+        async def let_go(partition: int) -> None:
+            partition_stop, task = running.pop(partition)
+            partition_stop.set()
+            await asyncio.gather(task, return_exceptions=True)  # finishes and acks its batch first
+            await asyncio.to_thread(leases.release, partition)
+            log.info("released partition %d", partition)
+
+        try:
+            while not stop.is_set():
+                try:
+                    live = await asyncio.to_thread(leases.heartbeat)
+                    for partition in await asyncio.to_thread(leases.renew, set(running)):
+                        log.warning("lost the lease on partition %d; stopping it", partition)
+                        partition_stop, task = running.pop(partition)
+                        partition_stop.set()
+                        await asyncio.gather(task, return_exceptions=True)
+                    share = fair_share(total, live)
+                    for partition in sorted(running, reverse=True)[: max(0, len(running) - share)]:
+                        await let_go(partition)
+                    for partition in range(total):
+                        if len(running) >= share:
+                            break
+                        if partition not in running and await asyncio.to_thread(leases.try_claim, partition):
+                            partition_stop = asyncio.Event()
+                            running[partition] = (partition_stop, asyncio.create_task(
+                                self._consume(partition, partition_stop)))
+                            log.info("claimed partition %d (%d live processors, share %d)", partition, live, share)
+                    self.partitions = sorted(running)
+                except redis.RedisError as exc:
+                    log.warning("partition leases unavailable (%s); keeping what is running", exc)
+                try:
+                    await asyncio.wait_for(stop.wait(), self.cfg.partition_lease_s / 5)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for partition in list(running):
+                running[partition][0].set()
+            await asyncio.gather(*(task for _, task in running.values()), return_exceptions=True)
+            with contextlib.suppress(redis.RedisError):
+                await asyncio.to_thread(leases.leave, set(running))
 
     async def _consume(self, partition: int, stop: asyncio.Event) -> None:
         pull = await self._subscribe(partition, rewind=True)

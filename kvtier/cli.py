@@ -60,9 +60,11 @@ def _worker_id(text: str) -> str:
     return text
 
 
-def _partition_list(text: str) -> list[int] | None:
+def _partition_list(text: str) -> list[int] | str | None:
     if text in ("", "all"):
         return None
+    if text == "auto":
+        return "auto"
     parts: list[int] = []
     for piece in text.split(","):
         if "-" in piece:
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
     p.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0.")
     p.add_argument("--partitions", type=_partition_list, default=None,
-                   help="Partitions this processor owns: 'all' (default), or a list like 0-3,6.")
+                   help="Partitions this processor consumes: 'all' (default), a list like 0-3,6, or 'auto' (claim a "
+                        "fair share through Redis leases and take over those of a processor that dies).")
     p.add_argument("--durable-prefix", default="kvtier-processor",
                    help="Durable consumer name prefix; partition k uses <prefix>-p<k>.")
     p.add_argument("--fetch-batch", type=_positive_int, default=256, help="Messages fetched (and pipelined) at once.")
@@ -261,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
 
             streams, explicit = _stream_settings(args)
             config = ProcessorConfig(
-                nats_url=args.nats, redis_url=args.redis, partitions=args.partitions,
+                nats_url=args.nats, redis_url=args.redis,
+                partitions=None if args.partitions == "auto" else args.partitions,
+                auto_partitions=args.partitions == "auto",
                 durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s,
                 ack_wait_s=args.ack_wait_s, reap_interval_s=args.reap_interval_s, streams=streams,
                 partitions_explicit=explicit,
