@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -32,6 +33,8 @@ class PullStream:
         self.inbox = nc.new_inbox()
         self.sub = None
         self.outstanding = 0
+        self.expires_s = expires_s
+        self._last_heard = time.monotonic()
 
     async def start(self) -> "PullStream":
         self.sub = await self.nc.subscribe(self.inbox, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30)
@@ -45,15 +48,22 @@ class PullStream:
                 pass
 
     async def _top_up(self) -> None:
+        # Requests lost with a broken connection never answer, not even with their expiry
+        # status: past their expiry with nothing heard, count them as gone and ask again.
+        if self.outstanding and time.monotonic() - self._last_heard > self.expires_s + 1.0:
+            self.outstanding = 0
         # Two batches in flight: the next one is already requested while this one is applied.
         if self.outstanding <= self.max_batch:
             wanted = 2 * self.max_batch - self.outstanding
             request = json.dumps({"batch": wanted, "expires": self.expires_ns}).encode()
             await self.nc.publish(self.next_subject, request, reply=self.inbox)
+            if not self.outstanding:
+                self._last_heard = time.monotonic()
             self.outstanding += wanted
 
     def _account(self, msg: Msg) -> bool:
         """True for a message to process; status messages update the outstanding count."""
+        self._last_heard = time.monotonic()
         status = msg.headers.get(_STATUS) if msg.headers else None
         if not status:
             self.outstanding -= 1

@@ -239,3 +239,24 @@ def test_redis_outage_mid_stream_is_ridden_out(nats_server):
             assert run.processor.alive()
     finally:
         redis_server.cleanup()
+
+
+def test_nats_restart_mid_stream_loses_nothing(redis_server):
+    """nats-server (JetStream on file storage) stops and comes back on the same port and
+    store while the engine keeps emitting: bridge and processor reconnect, state is exact."""
+    nats_server = NatsServer().start()
+    try:
+        with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+            workload, reference = HiCacheWorkload(seed=14), ReferenceModel()
+            run.publish(workload, reference, 40)
+            run.converge(reference)
+            nats_server.stop()
+            run.publish(workload, reference, 40)  # the bridge cannot publish these yet
+            time.sleep(1.0)
+            nats_server.start()
+            run.publish(workload, reference, 20)
+            run.converge(reference, timeout=45)
+            state = run.state()
+            assert state["stale"] == "0" and state["epochs"] == "1"
+    finally:
+        nats_server.cleanup()
