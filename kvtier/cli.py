@@ -177,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--redis-port", type=int, default=0, help="Redis port (0: a free one).")
     _add_common(s)
 
+    i = sub.add_parser("inspect", help="Show each worker's tier state in Redis: pages per tier, epoch, seq, lease.",
+                       description="Read what the processors keep in Redis: per worker, pages on each tier, the applied "
+                                   "(epoch, seq), how long ago it was applied, its lease, and whether it is stale.")
+    i.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0.")
+    i.add_argument("--model", default=None, help="Only this model (default: every model).")
+    i.add_argument("--worker", default=None, help="Only this worker.")
+    i.add_argument("--json", action="store_true", help="Print one JSON array instead of a table.")
+    _add_common(i)
+
     d = sub.add_parser("demo", help="Run the whole pipeline on embedded servers and show per-tier state.")
     d.add_argument("--workers", type=_positive_int, default=3, help="Simulated SGLang publishers.")
     d.add_argument("--batches", type=_positive_int, default=200, help="Engine batches each worker emits.")
@@ -282,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                     await stop.wait()
 
             _run_until_signal(serve)
+        elif args.command == "inspect":
+            from kvtier.inspect import run_inspect
+
+            return run_inspect(args)
         elif args.command == "demo":
             from kvtier.demo import run_demo
 

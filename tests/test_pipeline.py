@@ -128,3 +128,24 @@ def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redi
         for p in publishers:
             p.close()
         stop_all(bridge, processor)
+
+
+def test_inspect_shows_what_redis_holds_per_tier(nats_server, redis_server):
+    import json
+    import subprocess
+    import sys
+
+    from kvtier.schemas.tiers import Tier
+
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+        workload, reference = HiCacheWorkload(seed=21), ReferenceModel()
+        run.publish(workload, reference, 80)
+        run.converge(reference)
+        cli = [sys.executable, "-m", "kvtier.cli", "inspect", "--redis", redis_server.url, "--model", MODEL]
+        rows = json.loads(subprocess.run([*cli, "--json"], capture_output=True, text=True, check=True).stdout)
+        assert len(rows) == 1 and rows[0]["worker"] == "w0" and not rows[0]["stale"]
+        assert rows[0]["lease_left_s"] > 0
+        expected = {tier.value: sum(1 for tiers in reference.pages.values() if tier in tiers) for tier in Tier}
+        assert rows[0]["pages"] == expected
+        table = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+        assert "w0" in table and f"{expected['device']:>8}" in table and "ok" in table

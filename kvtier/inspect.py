@@ -1,0 +1,68 @@
+"""`kvtier inspect`: what Redis holds for each worker, per tier, and how it got there."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import redis
+
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.tiers import TIER_PRIORITY
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def collect(client: redis.Redis, model: str | None = None, worker: str | None = None) -> list[dict]:
+    tokens = [ModelKeys.for_model(model).model_token] if model else sorted(_text(t) for t in client.smembers(MODELS_KEY))
+    now_ms = time.time() * 1000
+    rows = []
+    for token in tokens:
+        keys = ModelKeys(token)
+        workers = [worker] if worker else sorted(_text(w) for w in client.smembers(keys.workers))
+        for worker_id in workers:
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(keys.state(worker_id))
+            pipe.zscore(keys.leases, worker_id)
+            for key in keys.tier_sets(worker_id):
+                pipe.scard(key)
+            state, lease, *counts = pipe.execute()
+            state = {_text(k): _text(v) for k, v in state.items()}
+            applied_ms = float(state.get("applied_ms", 0) or 0)
+            rows.append({
+                "model": token, "worker": worker_id,
+                "lease_left_s": round((lease - now_ms) / 1000, 1) if lease is not None else None,
+                "epoch": int(state.get("epoch", 0) or 0), "seq": int(state.get("seq", 0) or 0),
+                "stale": state.get("stale") == "1", "stale_reason": state.get("stale_reason", ""),
+                "last_epoch_reason": state.get("last_epoch_reason", ""), "gaps": int(state.get("gaps", 0) or 0),
+                "applied_ago_s": round((now_ms - applied_ms) / 1000, 1) if applied_ms else None,
+                "pages": {tier.value: count for tier, count in zip(TIER_PRIORITY, counts)},
+            })
+    return rows
+
+
+def run_inspect(args) -> int:
+    client = redis.Redis.from_url(args.redis, socket_timeout=5)
+    rows = collect(client, args.model, args.worker)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print("no workers in Redis yet" + (f" for model {args.model!r}" if args.model else ""), file=sys.stderr)
+        return 1
+    header = (f"{'model':<20} {'worker':<16} {'lease':>6} {'device':>8} {'host':>8} {'disk':>7} {'ext':>5} "
+              f"{'epoch':>14} {'seq':>7} {'applied':>8}  state")
+    print(header)
+    for r in rows:
+        lease = "dead" if r["lease_left_s"] is None or r["lease_left_s"] < 0 else f"{r['lease_left_s']}s"
+        ago = "-" if r["applied_ago_s"] is None else f"{r['applied_ago_s']}s"
+        status = f"STALE ({r['stale_reason']})" if r["stale"] else "ok"
+        if r["gaps"]:
+            status += f", {r['gaps']} gaps"
+        p = r["pages"]
+        print(f"{r['model'][:20]:<20} {r['worker'][:16]:<16} {lease:>6} {p['device']:>8} {p['host']:>8} "
+              f"{p['disk']:>7} {p['external']:>5} {r['epoch']:>14} {r['seq']:>7} {ago:>8}  {status}")
+    return 0
