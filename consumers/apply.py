@@ -18,7 +18,7 @@ import msgspec
 import redis
 
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
-from kvtier.schemas.hashes import BlockHash, PageKey, block_hash_from_page_key, page_keys_blob
+from kvtier.schemas.hashes import BlockHash, PageKey, block_hash_from_page_key, page_key, page_keys_blob
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
@@ -143,8 +143,8 @@ class TierStateWriter:
     def count_stale_workers(self) -> int:
         stale = 0
         for token in self.client.smembers(MODELS_KEY):
-            keys = ModelKeys(token.decode() if isinstance(token, bytes) else token)
-            workers = [w.decode() if isinstance(w, bytes) else w for w in self.client.smembers(keys.workers)]
+            keys = ModelKeys(as_text(token))
+            workers = [as_text(w) for w in self.client.smembers(keys.workers)]
             pipe = self.client.pipeline(transaction=False)
             for worker_id in workers:
                 pipe.hget(keys.state(worker_id), "stale")
@@ -157,9 +157,9 @@ class TierStateWriter:
         now_ms = int((now or time.time()) * 1000)
         removed: list[tuple[str, str, int]] = []
         for token in sorted(self.client.smembers(MODELS_KEY)):
-            keys = ModelKeys(token.decode() if isinstance(token, bytes) else token)
+            keys = ModelKeys(as_text(token))
             for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
-                worker_id = worker.decode() if isinstance(worker, bytes) else worker
+                worker_id = as_text(worker)
                 pages = int(self._expire(
                     keys=[keys.state(worker_id), keys.leases, *keys.tier_sets(worker_id)],
                     args=[worker_id, now_ms],
@@ -167,6 +167,11 @@ class TierStateWriter:
                 if pages >= 0:
                     removed.append((keys.model_token, worker_id, pages))
         return removed
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text, whether the client decodes responses or not."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _now_ms() -> int:
@@ -188,22 +193,21 @@ def read_worker_pages(client: redis.Redis, model: str, worker_id: str) -> dict[B
     pages: dict[BlockHash, set[Tier]] = {}
     for tier, members in zip(TIER_PRIORITY, pipe.execute()):
         for member in members:
-            page = PageKey(member.decode() if isinstance(member, bytes) else member)
+            page = PageKey(as_text(member))
             pages.setdefault(block_hash_from_page_key(page), set()).add(tier)
     return pages
 
 
 def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[str, str]:
     raw = client.hgetall(ModelKeys.for_model(model).state(worker_id))
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()}
+    return {as_text(k): as_text(v) for k, v in raw.items()}
 
 
 def read_page_holders(client: redis.Redis, model: str, worker_ids: Iterable[str],
                       hashes: Sequence[BlockHash]) -> list[dict[str, int]]:
     """For each page, worker -> tier bits, over the given workers (SMISMEMBER per tier set)."""
     keys = ModelKeys.for_model(model)
-    members = [page_keys_blob([h]) for h in hashes]
+    members = [page_key(h) for h in hashes]
     workers = list(worker_ids)
     holders: list[dict[str, int]] = [{} for _ in hashes]
     if not members or not workers:

@@ -15,6 +15,8 @@ import time
 
 import redis
 
+from kvtier.consumers.apply import as_text
+
 PROCESSORS_KEY = "kvt:processors"
 
 _RENEW = """
@@ -70,4 +72,4 @@ class PartitionLeases:
 
     def owners(self) -> dict[int, str | None]:
         values = self.client.mget([partition_key(p) for p in range(self.partitions)])
-        return {p: (v.decode() if isinstance(v, bytes) else v) for p, v in enumerate(values)}
+        return {p: as_text(v) if v is not None else None for p, v in enumerate(values)}

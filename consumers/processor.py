@@ -174,12 +174,10 @@ class Processor:
                                  self.cfg.partition_lease_s)
         running: dict[int, tuple[asyncio.Event, asyncio.Task]] = {}
 
-        async def let_go(partition: int) -> None:
+        async def stop_consuming(partition: int) -> None:
             partition_stop, task = running.pop(partition)
             partition_stop.set()
             await asyncio.gather(task, return_exceptions=True)  # finishes and acks its batch first
-            await asyncio.to_thread(leases.release, partition)
-            log.info("released partition %d", partition)
 
         try:
             while not stop.is_set():
@@ -187,12 +185,12 @@ class Processor:
                     live = await asyncio.to_thread(leases.heartbeat)
                     for partition in await asyncio.to_thread(leases.renew, set(running)):
                         log.warning("lost the lease on partition %d; stopping it", partition)
-                        partition_stop, task = running.pop(partition)
-                        partition_stop.set()
-                        await asyncio.gather(task, return_exceptions=True)
+                        await stop_consuming(partition)
                     share = fair_share(total, live)
                     for partition in sorted(running, reverse=True)[: max(0, len(running) - share)]:
-                        await let_go(partition)
+                        await stop_consuming(partition)
+                        await asyncio.to_thread(leases.release, partition)
+                        log.info("released partition %d", partition)
                     for partition in range(total):
                         if len(running) >= share:
                             break
@@ -293,7 +291,7 @@ class Processor:
         for (msg, batch), result in zip(chunk, results):
             key = (batch.model, batch.worker_id)
             if result.status == ApplyStatus.AHEAD:
-                if await self._hold_back(msg, batch, key, now, result):
+                if await self._hold_back(msg, key, now):
                     continue
                 applied_before = result.seq
                 result = await asyncio.to_thread(self.writer.apply, batch, ApplyMode.REBASE)
@@ -312,7 +310,7 @@ class Processor:
                 SKIPPED.labels("duplicate" if result.status == ApplyStatus.DUPLICATE else "old_epoch").inc()
             await msg.ack()
 
-    async def _hold_back(self, msg, batch: EventBatch, key, now: float, result) -> bool:
+    async def _hold_back(self, msg, key: tuple[str, str], now: float) -> bool:
         """True if the batch is held back to wait for the missing ones."""
         first = self._ahead_since.setdefault(key, now)
         if now - first < self.cfg.gap_timeout_s:

@@ -8,21 +8,18 @@ import time
 
 import redis
 
+from kvtier.consumers.apply import as_text
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
 from kvtier.schemas.tiers import TIER_PRIORITY
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def collect(client: redis.Redis, model: str | None = None, worker: str | None = None) -> list[dict]:
-    tokens = [ModelKeys.for_model(model).model_token] if model else sorted(_text(t) for t in client.smembers(MODELS_KEY))
+    tokens = [ModelKeys.for_model(model).model_token] if model else sorted(as_text(t) for t in client.smembers(MODELS_KEY))
     now_ms = time.time() * 1000
     rows = []
     for token in tokens:
         keys = ModelKeys(token)
-        workers = [worker] if worker else sorted(_text(w) for w in client.smembers(keys.workers))
+        workers = [worker] if worker else sorted(as_text(w) for w in client.smembers(keys.workers))
         for worker_id in workers:
             pipe = client.pipeline(transaction=False)
             pipe.hgetall(keys.state(worker_id))
@@ -30,7 +27,7 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
             for key in keys.tier_sets(worker_id):
                 pipe.scard(key)
             state, lease, *counts = pipe.execute()
-            state = {_text(k): _text(v) for k, v in state.items()}
+            state = {as_text(k): as_text(v) for k, v in state.items()}
             applied_ms = float(state.get("applied_ms", 0) or 0)
             rows.append({
                 "model": token, "worker": worker_id,

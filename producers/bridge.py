@@ -179,7 +179,12 @@ class RankBridge:
                          cursor.source_seq_last)
                 await self._forward(tail)
                 return
-        self._begin_epoch(EpochReason.BRIDGE_START, cursor)
+        await self._rebuild_epoch(EpochReason.BRIDGE_START, buffered, cursor)
+
+    async def _rebuild_epoch(self, reason: EpochReason, buffered: list[RawBatch] | None,
+                             cursor: BridgeCursor | None = None) -> None:
+        """Begin a new epoch holding what the engine's replay buffer still has."""
+        self._begin_epoch(reason, cursor)
         await self._forward(buffered or [])
         if self.pending_reason is not None:
             await self._publish_events([], None)  # announce the epoch now: clears stale state
@@ -348,11 +353,8 @@ class RankBridge:
         log.warning("%s: resync requested (%s)", self._label, request.get("reason", ""))
         try:
             async with self.lock:
-                self._begin_epoch(EpochReason.RESYNC_REQUESTED)
-                rebuilt = await self._replay_from(0) if self.replay else None
-                await self._forward(rebuilt or [])
-                if self.pending_reason is not None:
-                    await self._publish_events([], None)
+                await self._rebuild_epoch(EpochReason.RESYNC_REQUESTED,
+                                          await self._replay_from(0) if self.replay else None)
         except Exception as exc:  # noqa: BLE001 - a callback's errors would otherwise vanish
             log.exception("%s: resync failed", self._label)
             self._failure = exc
