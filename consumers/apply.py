@@ -137,6 +137,8 @@ class TierStateWriter:
         pipe.set(keys.meta(meta.worker_id), msgspec.json.encode(meta))
         pipe.zadd(keys.leases, {meta.worker_id: expiry_ms})
         pipe.sadd(keys.workers, meta.worker_id)
+        # Routers walk each worker's sets with the request hashed at the worker's page size.
+        pipe.hset(keys.state(meta.worker_id), "page_size", meta.page_size)
         pipe.hget(keys.state(meta.worker_id), "stale")
         return (pipe.execute()[-1] or b"0") not in (b"0", "0")
 

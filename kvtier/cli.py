@@ -60,6 +60,13 @@ def _worker_id(text: str) -> str:
     return text
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _partition_list(text: str) -> list[int] | str | None:
     if text in ("", "all"):
         return None
@@ -135,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Attention kind, which decides the Mooncake key layout of a page (mha: _k/_v per TP rank; "
                         "mla: one __k key).")
     b.add_argument("--mooncake-key-prefix", default="", help="Prefix SGLang puts before Mooncake keys, if any.")
+    b.add_argument("--hicache-storage-backend", choices=["none", "mooncake"], default="none",
+                   help="The worker's SGLang --hicache-storage-backend; with mooncake its key layout is announced "
+                        "and routers credit it for pages in the shared pool.")
+    b.add_argument("--worker-url", default="", dest="http_endpoint",
+                   help="The engine's HTTP base URL (e.g. http://10.0.0.5:30000), for a router in --proxy mode.")
     b.add_argument("--heartbeat", type=_positive_float, default=2.0, dest="heartbeat_s",
                    help="Seconds between announcements (metadata + lease renewal).")
     b.add_argument("--lease-ttl", type=_positive_float, default=10.0, dest="lease_ttl_s",
@@ -169,6 +181,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Seconds between lease-expiry sweeps.")
     _add_stream_flags(p)
     _add_common(p)
+
+    r = sub.add_parser("router", help="Serve tier-aware routing decisions over HTTP (a stateless replica).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("--redis", required=True, help="Redis URL holding the tier state, e.g. redis://127.0.0.1:6379/0.")
+    r.add_argument("--nats", default="", help="NATS URL for the decision log (kvtier.decisions.<model>); '' = off.")
+    r.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds to.")
+    r.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one, printed at start).")
+    r.add_argument("--router-mode", choices=["kv", "load"], default="kv",
+                   help="kv: tier-aware scoring; load: booked load only (cache weights 0).")
+    r.add_argument("--shared-cache-type", choices=["none", "hicache"], default="none",
+                   help="hicache: credit pages workers can fetch from the shared Mooncake pool.")
+    r.add_argument("--mooncake-master", default="",
+                   help="The Mooncake master's HTTP address (its metrics port, serving /batch_query_keys).")
+    r.add_argument("--shared-cache-multiplier", type=_non_negative_float, default=0.5,
+                   help="Credit per shared-pool page beyond the device prefix (0: query but ignore).")
+    r.add_argument("--shared-cache-timeout-ms", type=_positive_float, default=50.0,
+                   help="Budget for the shared-pool query; past it the decision scores without it.")
+    r.add_argument("--overlap-score-credit", type=_non_negative_float, default=1.0, help="Credit per device page.")
+    r.add_argument("--host-cache-hit-weight", type=_non_negative_float, default=0.75, help="Credit per host page.")
+    r.add_argument("--disk-cache-hit-weight", type=_non_negative_float, default=0.25, help="Credit per disk page.")
+    r.add_argument("--prefill-load-scale", type=_non_negative_float, default=1.0,
+                   help="Weight of the (adjusted) prefill pages against decode pages.")
+    r.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                   help="0: best score, ties at random; >0: softmax sampling over normalised scores.")
+    r.add_argument("--page-size", type=_positive_int, default=None,
+                   help="Expected worker page size; workers announcing another get no shared-pool credit "
+                        "(default: trust each worker's announced size).")
+    r.add_argument("--booking-ttl", type=_positive_float, default=600.0, dest="booking_ttl_s",
+                   help="Seconds a booking holds load if never released (a router died mid-request).")
+    r.add_argument("--state-timeout-ms", type=_positive_float, default=250.0,
+                   help="Redis call budget; past it the decision routes by load/round robin.")
+    r.add_argument("--max-request-tokens", type=_positive_int, default=1 << 20,
+                   help="Longest token_ids accepted (longer: 413).")
+    r.add_argument("--max-body-bytes", type=_positive_int, default=32 << 20, help="Largest request body (413).")
+    r.add_argument("--proxy", action="store_true",
+                   help="Also serve SGLang's /generate: route, forward to the worker, stream the answer back.")
+    r.add_argument("--model", default="", help="Model of proxied requests that name none.")
+    r.add_argument("--router-id", default="", help="Name in the decision log (default: random).")
+    _add_common(r)
 
     s = sub.add_parser("servers", help="Run embedded nats-server (JetStream) and Redis-protocol servers.",
                        description="Start nats-server with JetStream and a Redis-protocol server on loopback, print "
@@ -249,6 +300,29 @@ def _run_until_signal(main) -> None:
     asyncio.run(runner())
 
 
+async def _run_router(args, stop) -> None:
+    from kvtier.router.service import RouterConfig, ServiceSettings, run_router
+    from kvtier.schemas.routing import ScoringWeights
+
+    if args.shared_cache_type == "hicache" and not args.mooncake_master:
+        raise SystemExit("kvtier router: --shared-cache-type hicache needs --mooncake-master http://HOST:PORT "
+                         "(the master's HTTP port serving /batch_query_keys)")
+    config = RouterConfig(
+        redis_url=args.redis, nats_url=args.nats, host=args.host, http_port=args.http_port,
+        router_mode=args.router_mode, shared_cache_type=args.shared_cache_type, mooncake_master=args.mooncake_master,
+        shared_cache_timeout_s=args.shared_cache_timeout_ms / 1000, page_size=args.page_size,
+        booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=args.router_id,
+        weights=ScoringWeights(
+            overlap_score_credit=args.overlap_score_credit, host_cache_hit_weight=args.host_cache_hit_weight,
+            disk_cache_hit_weight=args.disk_cache_hit_weight, shared_cache_multiplier=args.shared_cache_multiplier,
+            prefill_load_scale=args.prefill_load_scale, temperature=args.temperature),
+        service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
+                                proxy=args.proxy, default_model=args.model),
+    )
+    await run_router(config, stop, ready=lambda port: print(f"kvtier router listening on http://{args.host}:{port}",
+                                                            flush=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup(args)
@@ -262,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker_id=args.worker_id, model=args.model, page_size=args.page_size, nats_url=args.nats,
                 dp_size=args.dp_size, tp_size=args.tp_size, pp_size=args.pp_size,
                 mooncake_attention=args.mooncake_attention, mooncake_key_prefix=args.mooncake_key_prefix,
+                hicache_storage_backend=args.hicache_storage_backend, http_endpoint=args.http_endpoint,
                 heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s,
                 max_batches_per_message=args.max_batches_per_message,
                 max_pages_per_message=args.max_pages_per_message, keep_token_ids=not args.drop_token_ids,
@@ -281,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 partitions_explicit=explicit,
             )
             _run_until_signal(lambda stop: Processor(config).run(stop))
+        elif args.command == "router":
+            _run_until_signal(lambda stop: _run_router(args, stop))
         elif args.command == "servers":
             from kvtier.embedded import NatsServer, RedisServer
 

@@ -19,6 +19,8 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, SubjectTransform
 
 from kvtier.schemas.subjects import (
+    DECISIONS_PREFIX,
+    DECISIONS_STREAM,
     DLQ_PREFIX,
     DLQ_STREAM,
     EVENTS_PREFIX,
@@ -132,3 +134,19 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
         except nats.js.errors.BadRequestError:
             pass
     return existing
+
+
+async def ensure_decisions_stream(js: JetStreamContext, max_age_s: float = 7 * 24 * 3600.0,
+                                  max_bytes: int = 4 << 30, replicas: int = 1) -> None:
+    """The routers' decision log (`kvtier.decisions.<model>`), kept by age and size."""
+    config = StreamConfig(name=DECISIONS_STREAM, subjects=[f"{DECISIONS_PREFIX}.>"],
+                          retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD,
+                          max_age=max_age_s, max_bytes=max_bytes, storage=StorageType.FILE,
+                          num_replicas=replicas)
+    try:
+        await js.stream_info(DECISIONS_STREAM)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            pass  # another router created it first

@@ -82,6 +82,10 @@ class BridgeConfig:
     pp_size: int = 1
     mooncake_attention: str = "mha"
     mooncake_key_prefix: str = ""
+    #: SGLang's --hicache-storage-backend: only a worker with an L3 backend can fetch pages
+    #: from the shared pool, so only then is its Mooncake layout announced.
+    hicache_storage_backend: str = "none"
+    http_endpoint: str = ""
     heartbeat_s: float = 2.0
     lease_ttl_s: float = 10.0
     max_batches_per_message: int = 512
@@ -101,8 +105,10 @@ class BridgeConfig:
             dp_rank=self.dp_rank, dp_size=self.dp_size, page_size=self.page_size,
             tp_size=self.tp_size, pp_size=self.pp_size,
             mooncake=MooncakeLayout(attention=AttentionKind(self.mooncake_attention), tp_size=self.tp_size,
-                                    pp_size=self.pp_size, key_prefix=self.mooncake_key_prefix),
+                                    pp_size=self.pp_size, key_prefix=self.mooncake_key_prefix)
+            if self.hicache_storage_backend == "mooncake" else None,
             kv_events_endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
+            http_endpoint=self.http_endpoint,
         )
 
 

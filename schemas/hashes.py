@@ -3,8 +3,10 @@ Redis field or a digest is expected (and the type checker says so)."""
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from typing import Annotated, NewType, Sequence
 
 import msgspec
@@ -54,14 +56,17 @@ def sglang_page_digests(
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    tokens = array.array("I", token_ids)  # uint32, as SGLang packs them
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    data = memoryview(tokens.tobytes())
+    step = page_size * 4
+    full = (len(token_ids) // page_size) * step
     digests: list[PageDigest] = []
     previous = parent
-    full = len(token_ids) - len(token_ids) % page_size
-    for start in range(0, full, page_size):
-        h = hashlib.sha256()
-        if previous is not None:
-            h.update(previous)
-        h.update(struct.pack(f"<{page_size}I", *token_ids[start : start + page_size]))
+    for start in range(0, full, step):
+        h = hashlib.sha256(previous) if previous is not None else hashlib.sha256()
+        h.update(data[start:start + step])
         previous = PageDigest(h.digest())
         digests.append(previous)
     return digests

@@ -9,6 +9,8 @@ DLQ_STREAM = "KVTIER_DLQ"
 EVENTS_PREFIX = "kvtier.events"
 DLQ_PREFIX = "kvtier.dlq"
 CONTROL_PREFIX = "kvtier.control"
+DECISIONS_STREAM = "KVTIER_DECISIONS"
+DECISIONS_PREFIX = "kvtier.decisions"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
 
@@ -45,3 +47,7 @@ def control_subject(model: str, worker_id: str) -> str:
 
 def dlq_subject(stage: str, model: str = "unknown", worker_id: str = "unknown") -> str:
     return f"{DLQ_PREFIX}.{stage}.{subject_token(model or 'unknown')}.{subject_token(worker_id or 'unknown')}"
+
+
+def decisions_subject(model: str) -> str:
+    return f"{DECISIONS_PREFIX}.{subject_token(model)}"

@@ -41,6 +41,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     pp_size: PositiveInt = 1
     mooncake: Union[MooncakeLayout, None] = None
     kv_events_endpoint: str = ""
+    #: The engine's HTTP base URL (e.g. http://10.0.0.5:30000), where a proxying router sends
+    #: the requests it routes to this worker.
+    http_endpoint: str = ""
     replay_endpoint: str = ""
     engine: str = "sglang"
     engine_version: str = ""

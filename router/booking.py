@@ -1,0 +1,80 @@
+"""Load booking: the selection among candidates and the booking of the request's load on the
+chosen worker happen in one Redis script, so replicas never choose on stale load. Releases
+give the load back; bookings of a router that died expire after their TTL."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.consumers.apply import as_text
+from kvtier.schemas.routing import ReleaseStage
+from kvtier.schemas.state_keys import ModelKeys
+
+from .state import load_script
+
+_COMMON = load_script("bookings.lua")
+SWEEP_LIMIT = 256
+
+
+class AlreadyBooked(Exception):
+    def __init__(self, request_id: str, worker_id: str):
+        super().__init__(f"request id {request_id!r} already holds a booking on worker {worker_id}; "
+                         "release it first or use another request id")
+        self.request_id, self.worker_id = request_id, worker_id
+
+
+@dataclass(frozen=True)
+class Selection:
+    chosen: int  # index into the candidates given
+    prefill_loads: list[int]  # as read just before booking
+    decode_loads: list[int]
+
+
+@dataclass(frozen=True)
+class Released:
+    found: bool
+    worker_id: str
+    prefill_pages: int
+    decode_pages: int
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class LoadBook:
+    def __init__(self, client, booking_ttl_s: float = 600.0):
+        """`client`: a redis.asyncio client."""
+        self._select = client.register_script(_COMMON + load_script("select_and_book.lua"))
+        self._release = client.register_script(_COMMON + load_script("release.lua"))
+        self.ttl_ms = int(booking_ttl_s * 1000)
+
+    async def select_and_book(self, model: str, request_id: str, request_pages: int, decode_pages: int,
+                              candidates: Sequence[tuple[str, float, int]], prefill_load_scale: float,
+                              temperature: float, u: float, book: bool = True) -> Selection:
+        """`candidates`: (worker id, cache credit, device overlap) in a fixed order."""
+        keys = ModelKeys.for_model(model)
+        args: list[str | int] = [keys.base, _now_ms(), self.ttl_ms, request_id, request_pages, decode_pages,
+                                 repr(float(prefill_load_scale)), repr(float(temperature)), repr(float(u)),
+                                 1 if book else 0]
+        for worker_id, credit, device in candidates:
+            args += (worker_id, repr(float(credit)), device)
+        raw = await self._select(keys=[keys.prefill_load, keys.decode_load, keys.bookings], args=args)
+        if int(raw[0]) == -1:
+            raise AlreadyBooked(request_id, as_text(raw[1] or b""))
+        n = len(candidates)
+        return Selection(int(raw[0]) - 1, [int(x) for x in raw[1:1 + n]], [int(x) for x in raw[1 + n:1 + 2 * n]])
+
+    async def release(self, model: str, request_id: str, stage: ReleaseStage) -> Released:
+        keys = ModelKeys.for_model(model)
+        raw = await self._release(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
+                                  args=[keys.base, request_id, stage.value, _now_ms(), 32])
+        return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]))
+
+    async def sweep(self, model: str) -> None:
+        """Give back the load of expired bookings (also done a little on every selection)."""
+        keys = ModelKeys.for_model(model)
+        await self._release(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
+                            args=[keys.base, "", ReleaseStage.COMPLETE.value, _now_ms(), SWEEP_LIMIT])

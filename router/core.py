@@ -1,0 +1,390 @@
+"""One routing decision, from a parsed request to a booked worker, with no HTTP in sight.
+
+Order of work for a request: hash its tokens at every page size the model's workers use;
+read every live worker's tiered overlap and load from Redis (one round trip) while the
+shared pool is asked which pages it holds; compute each candidate's cache credit
+(router/scoring.py); select and book atomically in Redis; re-score with the loads the
+selection saw, for the answer and the decision log.
+
+Degradation, never a stop: without the shared pool the decision scores without it; without
+Redis it routes among the last known workers by this replica's own in-flight count, round
+robin on ties, and says so (`degraded`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from kvtier.schemas.routing import (
+    CandidateScore,
+    ReleaseResponse,
+    ReleaseStage,
+    RouteDecision,
+    RouteRequest,
+    RouteResponse,
+    ScoringWeights,
+    TierOverlap,
+)
+from kvtier.schemas.worker import WorkerMetadata
+
+from . import scoring
+from .booking import LoadBook
+from .hashing import RequestPages
+from .metrics import RouterMetrics
+from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
+from .state import ModelDirectory, OverlapReader, WorkerDirectory, WorkerStatus, WorkerView
+
+log = logging.getLogger("kvtier.router")
+
+DEGRADED_STATE_STORE = "state-store-unavailable"
+DEGRADED_SHARED_POOL = "shared-pool-unavailable"
+DEGRADED_ONLY_STALE = "only-stale-workers"
+
+
+class RoutingError(Exception):
+    status = 400
+
+
+class UnknownModel(RoutingError):
+    status = 404
+
+
+class NoWorkers(RoutingError):
+    status = 503
+
+
+class DuplicateRequest(RoutingError):
+    status = 409
+
+
+@dataclass
+class RouterSettings:
+    weights: ScoringWeights = field(default_factory=ScoringWeights)
+    shared_cache: bool = False  # --shared-cache-type hicache
+    router_page_size: int | None = None  # --page-size: workers that differ get no shared credit
+    booking_ttl_s: float = 600.0
+    router_id: str = ""
+    state_retry_s: float = 0.5  # after a Redis failure, how long to route without it before retrying
+
+
+@dataclass(frozen=True)
+class Outcome:
+    response: RouteResponse
+    decision: RouteDecision
+
+
+class _Fallback:
+    """Routing without Redis: least in-flight on this replica, round robin among ties."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, str] = {}  # request id -> worker
+        self._turn = itertools.count()
+
+    def choose(self, workers: list[str]) -> str:
+        counts = {w: 0 for w in workers}
+        for worker in self.in_flight.values():
+            if worker in counts:
+                counts[worker] += 1
+        low = min(counts.values())
+        ties = [w for w in workers if counts[w] == low]
+        return ties[next(self._turn) % len(ties)]
+
+
+class Router:
+    def __init__(self, redis_client, settings: RouterSettings, metrics: RouterMetrics,
+                 shared_pool: SharedPoolClient | None = None, decision_log=None, rng: random.Random | None = None):
+        self.settings = settings
+        self.metrics = metrics
+        self.redis = redis_client
+        self.directory = WorkerDirectory(redis_client)
+        self.reader = OverlapReader(redis_client)
+        self.book = LoadBook(redis_client, settings.booking_ttl_s)
+        self.shared_pool = shared_pool
+        self.decision_log = decision_log
+        self.rng = rng or random.Random()
+        self.router_id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
+        self._fallback = _Fallback()
+        self._state_down_until = 0.0
+        self._warned_page_size: set[tuple[str, str]] = set()
+        self.last_state_error = ""
+        self.last_shared_pool_error = ""
+        self.models_seen: set[str] = set()
+
+    # --- state-store health ------------------------------------------------------------
+    def _state_available(self) -> bool:
+        return time.monotonic() >= self._state_down_until
+
+    def _state_failed(self, exc: Exception) -> None:
+        if self._state_available():
+            log.warning("state store unavailable (%s: %s); routing by load/round robin until it answers",
+                        type(exc).__name__, exc)
+        self.last_state_error = f"{type(exc).__name__}: {exc}"
+        self._state_down_until = time.monotonic() + self.settings.state_retry_s
+        self.metrics.state_store_up.set(0)
+
+    def _state_ok(self) -> None:
+        if self.last_state_error:
+            log.warning("state store is answering again; tier-aware routing resumed")
+            self.last_state_error = ""
+        self.metrics.state_store_up.set(1)
+
+    # --- the decision -------------------------------------------------------------------
+    async def route(self, request: RouteRequest) -> Outcome:
+        started = time.perf_counter()
+        weights = request.overrides.applied_to(self.settings.weights) if request.overrides else self.settings.weights
+        request_id = request.request_id or uuid.uuid4().hex
+        u = self.rng.random()
+        if not self._state_available():
+            return self._route_without_state(request, request_id, weights, u, started)
+        try:
+            return await self._route_with_state(request, request_id, weights, u, started)
+        except RoutingError:
+            raise
+        except (OSError, ConnectionError, TimeoutError) as exc:
+            self._state_failed(exc)
+            return self._route_without_state(request, request_id, weights, u, started)
+        except Exception as exc:
+            import redis.exceptions
+
+            if isinstance(exc, redis.exceptions.RedisError) and not isinstance(exc, redis.exceptions.ResponseError):
+                self._state_failed(exc)
+                return self._route_without_state(request, request_id, weights, u, started)
+            raise
+
+    async def _directory(self, model: str, refresh: bool = False) -> ModelDirectory:
+        directory = await self.directory.get(model, refresh=refresh)
+        if not directory.workers and model not in self.models_seen:
+            known = await self.directory.known_models()
+            from kvtier.schemas.subjects import subject_token
+
+            if subject_token(model) not in known:
+                raise UnknownModel(f"unknown model {model!r}: no worker has announced it "
+                                   f"(known models: {', '.join(sorted(known)) or 'none'})")
+        self.models_seen.add(model)
+        return directory
+
+    async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
+                                u: float, started: float) -> Outcome:
+        import asyncio
+
+        model = request.model
+        directory = await self._directory(model)
+        views: list[WorkerView] = []
+        pages_by_size: dict[int, RequestPages] = {}
+        shared: dict | None = None
+        shared_error = ""
+        for attempt in range(2):
+            sizes = directory.page_sizes or {self.settings.router_page_size or 1}
+            for size in sizes:
+                if size not in pages_by_size:
+                    pages_by_size[size] = RequestPages.of(request.token_ids, size)
+            want_shared = self.settings.shared_cache and self.shared_pool is not None and shared is None
+            if want_shared:
+                read, pool = await asyncio.gather(
+                    self.reader.read(model, pages_by_size),
+                    self._query_shared_pool(directory, pages_by_size), return_exceptions=True)
+                if isinstance(read, BaseException):
+                    raise read
+                if isinstance(pool, BaseException):
+                    shared_error = str(pool)
+                else:
+                    shared = pool
+            else:
+                read = await self.reader.read(model, pages_by_size)
+            views = read
+            if attempt == 0 and any(v.status is WorkerStatus.UNHASHED or v.worker_id not in directory.workers
+                                    for v in views):
+                directory = await self._directory(model, refresh=True)  # a worker joined since the last read
+                continue
+            break
+        self._state_ok()
+
+        fresh = [v for v in views if v.status is WorkerStatus.CANDIDATE]
+        degraded: list[str] = []
+        if shared_error:
+            degraded.append(DEGRADED_SHARED_POOL)
+        if not fresh:
+            stale = [v for v in views if v.status is WorkerStatus.STALE]
+            if not stale:
+                raise NoWorkers(f"no live worker for model {model!r} (no lease renewed recently)")
+            # Their state may under-report pages: route among them by load alone.
+            fresh = [WorkerView(v.worker_id, v.status, v.page_size, TierOverlap(), v.prefill_load, v.decode_load)
+                     for v in stale]
+            degraded.append(DEGRADED_ONLY_STALE)
+        fresh.sort(key=lambda v: v.worker_id)
+
+        inputs = [scoring.CandidateInputs(v.worker_id, self._with_shared(v, directory, shared, model),
+                                          v.prefill_load, v.decode_load) for v in fresh]
+        primary_size = _primary_page_size(fresh)
+        n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
+        decode_pages = -(-(len(request.token_ids) + request.max_new_tokens) // primary_size)
+        # Workers of one model share a page size in practice; with mixed sizes the request's
+        # page count is taken at the most common one, and each worker's overlap at its own.
+        credits = [scoring.cache_credit(c.overlap, weights) for c in inputs]
+        try:
+            selection = await self.book.select_and_book(
+                model, request_id, n_pages, decode_pages,
+                [(c.worker_id, credit, c.overlap.device) for c, credit in zip(inputs, credits)],
+                weights.prefill_load_scale, weights.temperature, u, book=request.book)
+        except Exception as exc:
+            from .booking import AlreadyBooked
+
+            if isinstance(exc, AlreadyBooked):
+                raise DuplicateRequest(str(exc)) from None
+            raise
+        booked_inputs = [scoring.CandidateInputs(c.worker_id, c.overlap, p, d)
+                         for c, p, d in zip(inputs, selection.prefill_loads, selection.decode_loads)]
+        scored = scoring.score(n_pages, booked_inputs, weights, u)
+        if scored.chosen != selection.chosen:
+            self.metrics.scoring_mismatch.inc()
+            log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
+                      inputs[selection.chosen].worker_id, inputs[scored.chosen].worker_id, request_id)
+        chosen = selection.chosen
+        candidates = [CandidateScore(worker_id=c.worker_id, logit=scored.logits[i], overlap=c.overlap,
+                                     prefill_load=c.prefill_load, decode_load=c.decode_load,
+                                     page_size=fresh[i].page_size)
+                      for i, c in enumerate(booked_inputs)]
+        winner = candidates[chosen]
+        meta = directory.workers.get(winner.worker_id)
+        response = RouteResponse(
+            request_id=request_id, worker_id=winner.worker_id, logit=winner.logit, overlap=winner.overlap,
+            candidates=candidates, request_pages=n_pages, page_size=primary_size, degraded=degraded,
+            booked=request.book, worker_url=meta.http_endpoint if meta else "")
+        latency = time.perf_counter() - started
+        self._observe(response, shared, n_pages, latency, "kv")
+        decision = RouteDecision(
+            request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights,
+            random_draw=u, page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()},
+            request_pages=n_pages, chosen=winner.worker_id, candidates=candidates, degraded=degraded,
+            latency_ms=latency * 1000, shared_pool_queried=shared is not None)
+        if self.decision_log is not None:
+            self.decision_log.submit(decision)
+        return Outcome(response, decision)
+
+    async def _query_shared_pool(self, directory: ModelDirectory, pages_by_size: dict[int, RequestPages]):
+        """{page size: {layout: SharedPages}} for the workers that publish a Mooncake layout."""
+        layouts_by_size: dict[int, set] = {}
+        for meta in directory.workers.values():
+            if meta.mooncake is not None and self._page_size_matches(meta):
+                layouts_by_size.setdefault(meta.page_size, set()).add(meta.mooncake)
+        result = {}
+        try:
+            for size, layouts in layouts_by_size.items():
+                result[size] = await self.shared_pool.pages_present(pages_by_size[size], list(layouts))
+        except SharedPoolUnavailable as exc:
+            reason = "timeout" if "no answer within" in str(exc) else "error"
+            self.metrics.shared_pool_errors.labels(reason).inc()
+            self.last_shared_pool_error = str(exc)
+            log.warning("Shared cache query failed (%s); scoring without the shared pool", exc)
+            raise
+        self.last_shared_pool_error = ""
+        return result
+
+    def _page_size_matches(self, meta: WorkerMetadata) -> bool:
+        expected = self.settings.router_page_size
+        if expected is None or meta.page_size == expected:
+            return True
+        key = (meta.model, meta.worker_id)
+        if key not in self._warned_page_size:
+            self._warned_page_size.add(key)
+            self.metrics.page_size_mismatch.inc()
+            log.warning("worker %s/%s uses page size %d but the router's --page-size is %d: no shared-pool "
+                        "credit for it (they must match)", meta.model, meta.worker_id, meta.page_size, expected)
+        return False
+
+    def _with_shared(self, view: WorkerView, directory: ModelDirectory, shared, model: str) -> TierOverlap:
+        if not shared:
+            return view.overlap
+        meta = directory.workers.get(view.worker_id)
+        if meta is None or meta.mooncake is None:
+            return view.overlap
+        pages: SharedPages | None = shared.get(view.page_size, {}).get(meta.mooncake)
+        if pages is None:
+            return view.overlap
+        o = view.overlap
+        return TierOverlap(device=o.device, host=o.host, disk=o.disk, shared_beyond=pages.beyond(o.device))
+
+    def _observe(self, response: RouteResponse, shared, n_pages: int, latency: float, mode: str) -> None:
+        m = self.metrics
+        m.decisions.labels(mode).inc()
+        m.decision_latency.observe(latency)
+        m.request_pages.observe(n_pages)
+        o = response.overlap
+        for tier, value in (("device", o.device), ("host", o.host), ("disk", o.disk), ("shared_beyond", o.shared_beyond)):
+            m.chosen_overlap.labels(tier).observe(value)
+        if shared:
+            hits = max((p.hits for layouts in shared.values() for p in layouts.values()), default=0)
+            if n_pages:
+                m.shared_cache_hit_rate.observe(hits / n_pages)
+            m.shared_cache_beyond_blocks.observe(o.shared_beyond)
+
+    def _route_without_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
+                             u: float, started: float) -> Outcome:
+        directory = self.directory.cached(request.model)
+        if directory is None or not directory.workers:
+            self.metrics.fallbacks.labels("no_known_workers").inc()
+            raise NoWorkers(f"state store unavailable ({self.last_state_error}) and no worker of model "
+                            f"{request.model!r} known to this router yet")
+        workers = sorted(directory.workers)
+        worker_id = self._fallback.choose(workers)
+        self._fallback.in_flight[request_id] = worker_id
+        page_size = _primary_page_size_of(directory)
+        n_pages = len(request.token_ids) // page_size
+        candidates = [CandidateScore(worker_id=w, logit=0.0, overlap=TierOverlap(), prefill_load=0, decode_load=0,
+                                     page_size=directory.workers[w].page_size) for w in workers]
+        response = RouteResponse(
+            request_id=request_id, worker_id=worker_id, logit=0.0, overlap=TierOverlap(), candidates=candidates,
+            request_pages=n_pages, page_size=page_size, degraded=[DEGRADED_STATE_STORE], booked=False,
+            worker_url=directory.workers[worker_id].http_endpoint)
+        latency = time.perf_counter() - started
+        self.metrics.fallbacks.labels("state_store_unavailable").inc()
+        self._observe(response, None, n_pages, latency, "fallback")
+        decision = RouteDecision(
+            request_id=request_id, model=request.model, router_id=self.router_id, ts=time.time(), weights=weights,
+            random_draw=u, page_hashes={}, request_pages=n_pages, chosen=worker_id, candidates=candidates,
+            degraded=[DEGRADED_STATE_STORE], latency_ms=latency * 1000)
+        if self.decision_log is not None:
+            self.decision_log.submit(decision)
+        return Outcome(response, decision)
+
+    # --- releases -----------------------------------------------------------------------
+    async def release(self, model: str, request_id: str, stage: ReleaseStage) -> ReleaseResponse:
+        if stage is ReleaseStage.COMPLETE and self._fallback.in_flight.pop(request_id, None) is not None:
+            self.metrics.releases.labels(stage.value, "fallback").inc()
+            return ReleaseResponse(request_id=request_id, released=True)
+        released = await self.book.release(model, request_id, stage)
+        self.metrics.releases.labels(stage.value, str(released.found).lower()).inc()
+        return ReleaseResponse(request_id=request_id, released=released.found, worker_id=released.worker_id,
+                               prefill_pages=released.prefill_pages, decode_pages=released.decode_pages)
+
+    async def housekeeping(self) -> None:
+        """Refresh the directories of models in use and give back expired bookings."""
+        if not self._state_available():
+            return
+        try:
+            for model in list(self.models_seen):
+                await self.directory.get(model, refresh=True)
+                await self.book.sweep(model)
+            self._state_ok()
+        except Exception as exc:  # noqa: BLE001 - any Redis failure degrades the same way
+            self._state_failed(exc)
+
+
+def _primary_page_size(views: list[WorkerView]) -> int:
+    sizes: dict[int, int] = {}
+    for v in views:
+        if v.page_size > 0:
+            sizes[v.page_size] = sizes.get(v.page_size, 0) + 1
+    return max(sorted(sizes), key=lambda s: sizes[s]) if sizes else 1
+
+
+def _primary_page_size_of(directory: ModelDirectory) -> int:
+    sizes: dict[int, int] = {}
+    for meta in directory.workers.values():
+        sizes[meta.page_size] = sizes.get(meta.page_size, 0) + 1
+    return max(sorted(sizes), key=lambda s: sizes[s]) if sizes else 1

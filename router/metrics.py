@@ -1,0 +1,54 @@
+"""The router's Prometheus metrics, in a registry of its own per router (tests and benches
+run several routers in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+                    0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_PAGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("router_decisions", "Routing decisions by how they were made "
+                                 "(kv: tier-aware; fallback: state store unavailable)", ["mode"], registry=r)
+        self.decision_latency = Histogram("router_decision_latency_seconds",
+                                          "Time from a parsed request to a booked decision",
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.shared_cache_hit_rate = Histogram(
+            "router_shared_cache_hit_rate", "Fraction of request blocks found in the shared pool (0.0-1.0)",
+            buckets=tuple(i / 10 for i in range(11)), registry=r)
+        self.shared_cache_beyond_blocks = Histogram(
+            "router_shared_cache_beyond_blocks",
+            "Blocks in the shared pool beyond the selected worker's device overlap", buckets=_PAGE_BUCKETS, registry=r)
+        self.chosen_overlap = Histogram("router_chosen_overlap_pages",
+                                        "Overlap of the chosen worker with the request, by tier",
+                                        ["tier"], buckets=_PAGE_BUCKETS, registry=r)
+        self.request_pages = Histogram("router_request_pages", "Full pages per routed request",
+                                       buckets=_PAGE_BUCKETS, registry=r)
+        self.fallbacks = Counter("router_fallback_decisions", "Decisions made without tier state, by reason",
+                                 ["reason"], registry=r)
+        self.shared_pool_errors = Counter("router_shared_pool_errors",
+                                          "Shared-pool queries that failed or timed out (scored without it)",
+                                          ["reason"], registry=r)
+        self.page_size_mismatch = Counter("router_page_size_mismatch",
+                                          "Workers skipped for shared-pool credit: page size differs from the router's",
+                                          registry=r)
+        self.scoring_mismatch = Counter("router_scoring_mismatch",
+                                        "Decisions where the in-Redis selection and router/scoring.py disagreed",
+                                        registry=r)
+        self.bad_requests = Counter("router_bad_requests", "Requests refused with a 4xx, by status",
+                                    ["status"], registry=r)
+        self.releases = Counter("router_releases", "Booking releases by stage and whether a booking was found",
+                                ["stage", "found"], registry=r)
+        self.decision_log_published = Counter("router_decision_log_published",
+                                              "Decisions published to JetStream", registry=r)
+        self.decision_log_dropped = Counter("router_decision_log_dropped",
+                                            "Decisions not published (queue full or NATS error)", registry=r)
+        self.state_store_up = Gauge("router_state_store_up", "1 while the last Redis call succeeded", registry=r)
+        self.proxy_requests = Counter("router_proxy_requests", "Proxied /generate requests by outcome",
+                                      ["outcome"], registry=r)
+        self.state_store_up.set(1)

@@ -1,0 +1,85 @@
+"""The scoring formula of DESIGN.md (the Dynamo HiCache guide's), as pure functions: no I/O,
+no clock, no hidden randomness. The caller supplies the random draw `u` in [0, 1), so a
+decision can be reproduced exactly from its inputs (the decision log records `u`).
+
+    adjusted = max(prefill_blocks - credit*device - host_w*host - disk_w*disk
+                   - shared_multiplier*shared_beyond, 0)
+    logit    = prefill_load_scale*adjusted + decode_blocks        (lower is better)
+
+`prefill_blocks` = request pages + the worker's queued prefill pages; `decode_blocks` = its
+active decode pages. Temperature 0: argmin, ties broken by `u`; T > 0: softmax over the
+min-max normalised logits, sampled with `u`.
+
+`select_and_book.lua` evaluates the same load-dependent step inside Redis so selection and
+booking are one atomic step across router replicas; it takes `cache_credit()` from here and
+`tests/test_scoring.py` checks that both agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.schemas.routing import ScoringWeights, TierOverlap
+
+
+@dataclass(frozen=True)
+class CandidateInputs:
+    worker_id: str
+    overlap: TierOverlap
+    prefill_load: int = 0  # queued prefill pages booked on the worker
+    decode_load: int = 0  # active decode pages booked on the worker
+
+
+def cache_credit(overlap: TierOverlap, weights: ScoringWeights) -> float:
+    """Pages of prefill the worker's caches save for this request (the load-free part)."""
+    return (weights.overlap_score_credit * overlap.device
+            + weights.host_cache_hit_weight * overlap.host
+            + weights.disk_cache_hit_weight * overlap.disk
+            + weights.shared_cache_multiplier * overlap.shared_beyond)
+
+
+def logit(request_pages: int, credit: float, prefill_load: int, decode_load: int,
+          prefill_load_scale: float) -> float:
+    adjusted = max(request_pages + prefill_load - credit, 0.0)
+    return prefill_load_scale * adjusted + decode_load
+
+
+def logits(request_pages: int, candidates: Sequence[CandidateInputs], weights: ScoringWeights) -> list[float]:
+    return [logit(request_pages, cache_credit(c.overlap, weights), c.prefill_load, c.decode_load,
+                  weights.prefill_load_scale) for c in candidates]
+
+
+def choose(values: Sequence[float], temperature: float, u: float) -> int:
+    """Index of the chosen candidate. `u` in [0, 1) breaks ties (T = 0) or samples (T > 0)."""
+    if not values:
+        raise ValueError("no candidates to choose from")
+    u = min(max(u, 0.0), math.nextafter(1.0, 0.0))
+    low = min(values)
+    if temperature <= 0.0:
+        ties = [i for i, v in enumerate(values) if v == low]
+        return ties[int(u * len(ties))]
+    high = max(values)
+    span = high - low
+    if span == 0.0:
+        return int(u * len(values))
+    weights = [math.exp(-((v - low) / span) / temperature) for v in values]
+    target = u * sum(weights)
+    running = 0.0
+    for i, w in enumerate(weights):
+        running += w
+        if target < running:
+            return i
+    return len(values) - 1
+
+
+@dataclass(frozen=True)
+class Scored:
+    chosen: int
+    logits: list[float]
+
+
+def score(request_pages: int, candidates: Sequence[CandidateInputs], weights: ScoringWeights, u: float) -> Scored:
+    values = logits(request_pages, candidates, weights)
+    return Scored(choose(values, weights.temperature, u), values)

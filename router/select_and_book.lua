@@ -1,0 +1,74 @@
+-- Pick a worker and book the request's load on it in one atomic step, so concurrent router
+-- replicas always see each other's bookings. The load-free part of each score (the cache
+-- credit) comes from router/scoring.py; the load-dependent step below is the same formula
+-- (tests/test_scoring.py checks both choose alike).
+-- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset
+-- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 request pages,
+--       6 decode pages, 7 prefill_load_scale, 8 temperature, 9 u in [0,1), 10 book (1|0),
+--       11.. triples: worker, credit, device overlap (pages)
+-- Returns {chosen index (1-based) | -1 when the request id is already booked,
+--          worker prefill loads..., worker decode loads...} (loads as read before booking).
+local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local request_id, request_pages, decode_pages = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local scale, temperature, u, book = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10] == '1'
+
+sweep_expired(base, now, 32, KEYS[1], KEYS[2])
+if book and redis.call('EXISTS', base .. ':bk:' .. request_id) == 1 then
+  return {-1, redis.call('HGET', base .. ':bk:' .. request_id, 'worker')}
+end
+
+local workers, credits, devices = {}, {}, {}
+for i = 11, #ARGV, 3 do
+  local k = #workers + 1
+  workers[k], credits[k], devices[k] = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+end
+local prefill = redis.call('HMGET', KEYS[1], unpack(workers))
+local decode = redis.call('HMGET', KEYS[2], unpack(workers))
+
+local logits, low, high = {}, math.huge, -math.huge
+for k = 1, #workers do
+  prefill[k], decode[k] = tonumber(prefill[k]) or 0, tonumber(decode[k]) or 0
+  local adjusted = math.max((request_pages + prefill[k]) - credits[k], 0)
+  logits[k] = scale * adjusted + decode[k]
+  if logits[k] < low then low = logits[k] end
+  if logits[k] > high then high = logits[k] end
+end
+
+if u >= 1 then u = 1 - 2 ^ -53 elseif u < 0 then u = 0 end
+local chosen
+if temperature <= 0 then
+  local ties = {}
+  for k = 1, #workers do if logits[k] == low then ties[#ties + 1] = k end end
+  chosen = ties[math.floor(u * #ties) + 1]
+elseif high - low == 0 then
+  chosen = math.floor(u * #workers) + 1
+else
+  local weights, total = {}, 0
+  for k = 1, #workers do
+    weights[k] = math.exp(-((logits[k] - low) / (high - low)) / temperature)
+    total = total + weights[k]
+  end
+  local target, running = u * total, 0
+  chosen = #workers
+  for k = 1, #workers do
+    running = running + weights[k]
+    if target < running then chosen = k; break end
+  end
+end
+
+if book then
+  local worker = workers[chosen]
+  local prefill_pages = math.max(request_pages - devices[chosen], 0)
+  add_load(KEYS[1], worker, prefill_pages)
+  add_load(KEYS[2], worker, decode_pages)
+  local bk = base .. ':bk:' .. request_id
+  redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
+  -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
+  redis.call('PEXPIRE', bk, ttl + 60000)
+  redis.call('ZADD', KEYS[3], now + ttl, request_id)
+end
+
+local out = {chosen}
+for k = 1, #workers do out[#out + 1] = prefill[k] end
+for k = 1, #workers do out[#out + 1] = decode[k] end
+return out

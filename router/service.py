@@ -1,0 +1,311 @@
+"""`kvtier router`: the HTTP edge of a stateless router replica.
+
+  POST /v1/route      {"model", "token_ids", "request_id"?, "overrides"?, "max_new_tokens"?, "book"?}
+  POST /v1/release    {"model", "request_id", "stage": "first_token" | "complete"}
+  POST /generate      (--proxy) SGLang's native API with input_ids: routed, forwarded, streamed back
+  GET  /healthz       what this replica can reach, and whether it routes degraded
+  GET  /metrics       Prometheus
+
+Every refusal is a 4xx/5xx with {"error": "<what is wrong>"}; a decision made without some
+input says so in the `X-Kvtier-Degraded` header and the body's `degraded` list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import ClientSession, ClientTimeout, web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvtier.schemas.routing import (
+    ErrorBody,
+    GenerateRequest,
+    ReleaseRequest,
+    ReleaseStage,
+    RouteRequest,
+)
+
+from .core import Router, RoutingError
+
+log = logging.getLogger("kvtier.router.http")
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class ServiceSettings:
+    max_request_tokens: int = 1 << 20
+    max_body_bytes: int = 32 << 20
+    proxy: bool = False
+    default_model: str = ""  # for proxied requests that name no model
+    proxy_timeout_s: float = 600.0
+    housekeeping_s: float = 1.0
+
+
+def _error(status: int, message: str, metrics=None) -> web.Response:
+    if metrics is not None and 400 <= status < 500:
+        metrics.bad_requests.labels(str(status)).inc()
+    return web.Response(status=status, body=_json.encode(ErrorBody(message)), content_type="application/json")
+
+
+class Refused(Exception):
+    """A request this router will not serve, with the status and the reason to send back."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _decode(body: bytes, kind):
+    """Decode a request body straight into its struct; errors name the offending path."""
+    if not body:
+        raise Refused(400, "empty body: send a JSON object")
+    return msgspec.json.decode(body, type=kind)
+
+
+class RouterService:
+    def __init__(self, router: Router, settings: ServiceSettings):
+        self.router = router
+        self.settings = settings
+        self.metrics = router.metrics
+        self._session: ClientSession | None = None
+        self._housekeeping: asyncio.Task | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/route", self.route)
+        app.router.add_post("/v1/release", self.release)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics_page)
+        if self.settings.proxy:
+            app.router.add_post("/generate", self.generate)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app) -> None:
+        self._housekeeping = asyncio.create_task(self._housekeeping_loop(), name="router-housekeeping")
+
+    async def _on_cleanup(self, app) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _housekeeping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.housekeeping_s)
+            await self.router.housekeeping()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except Refused as exc:
+            return _error(exc.status, exc.message, self.metrics)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body larger than {self.settings.max_body_bytes} bytes", self.metrics)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return _error(exc.status, exc.reason or exc.text or "bad request", self.metrics)
+            raise
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _error(400, f"invalid request body: {exc}", self.metrics)
+
+    # --- /v1/route ----------------------------------------------------------------------
+    def _check_tokens(self, count: int, field: str) -> None:
+        if count == 0:
+            raise Refused(400, f"{field} is empty: there is nothing to route")
+        if count > self.settings.max_request_tokens:
+            raise Refused(413, f"{field} has {count} tokens; this router accepts at most "
+                               f"{self.settings.max_request_tokens} (--max-request-tokens)")
+
+    async def route(self, request: web.Request) -> web.Response:
+        body = _decode(await request.read(), RouteRequest)
+        self._check_tokens(len(body.token_ids), "token_ids")
+        try:
+            outcome = await self.router.route(body)
+        except RoutingError as exc:
+            return _error(exc.status, str(exc), self.metrics)
+        headers = {"X-Kvtier-Worker": outcome.response.worker_id}
+        if outcome.response.degraded:
+            headers["X-Kvtier-Degraded"] = ",".join(outcome.response.degraded)
+        return web.Response(body=_json.encode(outcome.response), content_type="application/json", headers=headers)
+
+    async def release(self, request: web.Request) -> web.Response:
+        body = _decode(await request.read(), ReleaseRequest)
+        try:
+            released = await self.router.release(body.model, body.request_id, body.stage)
+        except Exception as exc:  # noqa: BLE001 - the store is down: the booking expires by itself
+            return _error(503, f"state store unavailable ({type(exc).__name__}: {exc}); the booking "
+                               "expires after --booking-ttl")
+        if not released.released:
+            return _error(404, f"no booking for request id {body.request_id!r} of model {body.model!r} "
+                               "(never booked, already released, or expired)", self.metrics)
+        return web.Response(body=_json.encode(released), content_type="application/json")
+
+    # --- health and metrics -------------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        router = self.router
+        state_ok, state_error = True, ""
+        try:
+            await asyncio.wait_for(router.redis.ping(), 0.5)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            state_ok, state_error = False, f"{type(exc).__name__}: {exc}"
+        shared = {"enabled": router.settings.shared_cache and router.shared_pool is not None,
+                  "last_error": router.last_shared_pool_error}
+        decision_log = router.decision_log
+        body = {
+            "status": "ok" if state_ok and not shared["last_error"] else "degraded",
+            "router_id": router.router_id,
+            "routing": "tier-aware" if state_ok else "load/round-robin (state store unavailable)",
+            "state_store": {"ok": state_ok, "error": state_error or router.last_state_error},
+            "shared_pool": shared,
+            "decision_log": {"enabled": decision_log is not None,
+                             "connected": bool(decision_log is not None and decision_log.connected)},
+            "models": sorted(router.models_seen),
+        }
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # --- proxy mode ---------------------------------------------------------------------
+    async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage) -> None:
+        try:
+            await self.router.release(model, request_id, stage)
+        except Exception as exc:  # noqa: BLE001 - a lost release only delays expiry
+            log.warning("could not release %s (%s) of request %s: %s", stage.value, model, request_id, exc)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = _decode(raw, GenerateRequest)
+        self._check_tokens(len(body.input_ids), "input_ids")
+        model = body.model or self.settings.default_model
+        if not model:
+            raise Refused(400, "no model: send \"model\" in the body or start the router with --model")
+        route = RouteRequest(model=model, token_ids=body.input_ids, request_id=body.rid,
+                             max_new_tokens=body.sampling_params.max_new_tokens or 0)
+        try:
+            outcome = await self.router.route(route)
+        except RoutingError as exc:
+            return _error(exc.status, str(exc), self.metrics)
+        decision = outcome.response
+        if not decision.worker_url:
+            await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+            self.metrics.proxy_requests.labels("no_worker_url").inc()
+            return _error(502, f"worker {decision.worker_id} announced no HTTP endpoint (start its bridge with "
+                               "--worker-url)")
+        if self._session is None:
+            self._session = ClientSession(timeout=ClientTimeout(total=self.settings.proxy_timeout_s))
+        headers = {"X-Kvtier-Worker": decision.worker_id, "X-Kvtier-Request-Id": decision.request_id}
+        if decision.degraded:
+            headers["X-Kvtier-Degraded"] = ",".join(decision.degraded)
+        first_token_released = False
+        response: web.StreamResponse | None = None
+        try:
+            async with self._session.post(decision.worker_url.rstrip("/") + "/generate", data=raw,
+                                          headers={"Content-Type": "application/json"}) as upstream:
+                response = web.StreamResponse(status=upstream.status, headers=headers)
+                response.content_type = upstream.content_type
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    if not first_token_released and upstream.status == 200:
+                        first_token_released = True
+                        asyncio.ensure_future(
+                            self._release_quietly(model, decision.request_id, ReleaseStage.FIRST_TOKEN))
+                    await response.write(chunk)
+                await response.write_eof()
+                self.metrics.proxy_requests.labels("ok" if upstream.status == 200 else "worker_error").inc()
+                return response
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.metrics.proxy_requests.labels("unreachable").inc()
+            if response is None:
+                return _error(502, f"worker {decision.worker_id} at {decision.worker_url} failed: "
+                                   f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+
+
+async def run_router_service(router: Router, settings: ServiceSettings, host: str, port: int,
+                             stop: asyncio.Event, ready=None) -> None:
+    service = RouterService(router, settings)
+    runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    log.info("router %s serving on http://%s:%d", router.router_id, host, bound)
+    if ready is not None:
+        ready(bound)
+    try:
+        await stop.wait()
+    finally:
+        started = time.monotonic()
+        await runner.cleanup()
+        log.info("router %s stopped (%.1fs)", router.router_id, time.monotonic() - started)
+
+
+@dataclass
+class RouterConfig:
+    redis_url: str
+    nats_url: str = ""
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    router_mode: str = "kv"  # kv | round-robin | random
+    shared_cache_type: str = "none"  # none | hicache
+    mooncake_master: str = ""
+    shared_cache_timeout_s: float = 0.05
+    page_size: int | None = None
+    booking_ttl_s: float = 600.0
+    state_timeout_s: float = 0.25
+    router_id: str = ""
+    weights: object = None  # ScoringWeights
+    service: ServiceSettings = None  # type: ignore[assignment]
+
+
+async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> None:
+    import redis.asyncio
+
+    from kvtier.schemas.routing import ScoringWeights
+
+    from .core import RouterSettings
+    from .decision_log import DecisionLog
+    from .metrics import RouterMetrics
+    from .shared_pool import SharedPoolClient
+
+    weights = config.weights or ScoringWeights()
+    if config.router_mode != "kv":
+        # Cache-blind modes are the same machinery with every cache weight at zero: the
+        # choice is then by booked load alone, ties broken at random.
+        weights = msgspec.structs.replace(weights, overlap_score_credit=0.0, host_cache_hit_weight=0.0,
+                                          disk_cache_hit_weight=0.0, shared_cache_multiplier=0.0)
+    metrics = RouterMetrics()
+    client = redis.asyncio.from_url(config.redis_url, socket_connect_timeout=config.state_timeout_s,
+                                    socket_timeout=config.state_timeout_s, health_check_interval=0)
+    shared_pool = None
+    if config.shared_cache_type == "hicache":
+        shared_pool = SharedPoolClient(config.mooncake_master, timeout_s=config.shared_cache_timeout_s)
+    decision_log = None
+    if config.nats_url:
+        decision_log = DecisionLog(config.nats_url, on_published=metrics.decision_log_published.inc,
+                                   on_dropped=metrics.decision_log_dropped.inc)
+        decision_log.start()
+    router = Router(client, RouterSettings(weights=weights, shared_cache=shared_pool is not None,
+                                           router_page_size=config.page_size, booking_ttl_s=config.booking_ttl_s,
+                                           router_id=config.router_id),
+                    metrics, shared_pool=shared_pool, decision_log=decision_log)
+    try:
+        await run_router_service(router, config.service or ServiceSettings(), config.host, config.http_port,
+                                 stop, ready)
+    finally:
+        if decision_log is not None:
+            await decision_log.close()
+        if shared_pool is not None:
+            await shared_pool.close()
+        await client.aclose() if hasattr(client, "aclose") else await client.close()

@@ -1,0 +1,114 @@
+"""Reading tier state for a decision: every live worker's tiered overlap with the request
+and its booked load, in one Redis round trip (`read_overlap.lua`), plus the worker directory
+(metadata a router needs before that read: page sizes to hash at, Mooncake layouts, URLs)."""
+
+from __future__ import annotations
+
+import enum
+import importlib.resources
+import logging
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import msgspec
+
+from kvtier.consumers.apply import as_text
+from kvtier.schemas.routing import TierOverlap
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.worker import WorkerMetadata
+
+from .hashing import RequestPages
+
+log = logging.getLogger("kvtier.router")
+
+#: First SMISMEMBER chunk of the walk; later chunks grow 4x (8, 32, 128, ...).
+FIRST_CHUNK = 8
+
+
+def load_script(name: str) -> str:
+    return importlib.resources.files("kvtier.router").joinpath(name).read_text()
+
+
+class WorkerStatus(enum.IntEnum):
+    CANDIDATE = 0
+    STALE = 1  # its state was rebuilt after a gap and may under-report pages
+    UNHASHED = 2  # the request was not hashed at its page size (directory out of date)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    status: WorkerStatus
+    page_size: int
+    overlap: TierOverlap  # device/host/disk; shared_beyond is filled in by the router
+    prefill_load: int
+    decode_load: int
+
+
+class OverlapReader:
+    def __init__(self, client):
+        """`client`: a redis.asyncio client."""
+        self._script = client.register_script(load_script("read_overlap.lua"))
+
+    async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],
+                   now_ms: int | None = None) -> list[WorkerView]:
+        keys = ModelKeys.for_model(model)
+        args: list[str | int] = [keys.base, now_ms if now_ms is not None else int(time.time() * 1000), FIRST_CHUNK]
+        for size, pages in pages_by_size.items():
+            args += (size, "".join(pages.keys))
+        flat = await self._script(keys=[keys.leases, keys.prefill_load, keys.decode_load], args=args)
+        views = []
+        for i in range(0, len(flat), 8):
+            worker, status, size, device, host, disk, prefill, decode = flat[i:i + 8]
+            views.append(WorkerView(as_text(worker), WorkerStatus(int(status)), int(size),
+                                    TierOverlap(device=int(device), host=int(host), disk=int(disk)),
+                                    int(prefill), int(decode)))
+        return views
+
+
+@dataclass(frozen=True)
+class ModelDirectory:
+    workers: dict[str, WorkerMetadata]
+    read_at: float
+
+    @property
+    def page_sizes(self) -> set[int]:
+        return {meta.page_size for meta in self.workers.values()}
+
+
+class WorkerDirectory:
+    """Metadata of each model's live workers, cached for `max_age_s`. Only hashing and the
+    shared-pool query use it; who is live, stale or loaded is read fresh for every decision."""
+
+    def __init__(self, client, max_age_s: float = 2.0):
+        self._client = client
+        self._max_age_s = max_age_s
+        self._models: dict[str, ModelDirectory] = {}
+
+    async def known_models(self) -> set[str]:
+        return {as_text(m) for m in await self._client.smembers(MODELS_KEY)}
+
+    async def get(self, model: str, refresh: bool = False) -> ModelDirectory:
+        cached = self._models.get(model)
+        if cached is not None and not refresh and time.monotonic() - cached.read_at < self._max_age_s:
+            return cached
+        keys = ModelKeys.for_model(model)
+        live = [as_text(w) for w in await self._client.zrangebyscore(
+            keys.leases, f"({int(time.time() * 1000)}", "+inf")]
+        workers: dict[str, WorkerMetadata] = {}
+        if live:
+            for worker_id, raw in zip(live, await self._client.mget([keys.meta(w) for w in live])):
+                if raw is None:
+                    continue
+                try:
+                    workers[worker_id] = msgspec.json.decode(raw, type=WorkerMetadata)
+                except msgspec.ValidationError as exc:
+                    log.warning("worker %s/%s has unreadable metadata (%s); hashing it at the "
+                                "other workers' page size", model, worker_id, exc)
+        directory = ModelDirectory(workers, time.monotonic())
+        self._models[model] = directory
+        return directory
+
+    def cached(self, model: str) -> ModelDirectory | None:
+        return self._models.get(model)

@@ -1,0 +1,150 @@
+"""The router's wire types: the HTTP API (`/v1/route`, `/v1/release`) and the decision log
+(`kvtier.decisions.<model>` on JetStream). Declared once; the service decodes request bodies
+straight into these structs, so a wrong type, a negative token id or an unknown override
+name is refused with msgspec's path-precise message (e.g. "at `$.token_ids[3]`")."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Optional
+
+import msgspec
+
+#: SGLang hashes token ids as uint32: anything outside is not a token id.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+Weight = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
+DECISION_SCHEMA_VERSION = 1
+
+
+class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """The scoring formula's knobs (DESIGN.md). Defaults are the Dynamo HiCache guide's."""
+
+    overlap_score_credit: float = 1.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    shared_cache_multiplier: float = 0.5
+    prefill_load_scale: float = 1.0
+    temperature: float = 0.0
+
+
+class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request overrides of any weight; an unknown name is an error, not a silent no-op."""
+
+    overlap_score_credit: Optional[Weight] = None
+    host_cache_hit_weight: Optional[Weight] = None
+    disk_cache_hit_weight: Optional[Weight] = None
+    shared_cache_multiplier: Optional[Weight] = None
+    prefill_load_scale: Optional[Weight] = None
+    temperature: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]] = None
+
+    def applied_to(self, weights: ScoringWeights) -> ScoringWeights:
+        changes = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
+        return msgspec.structs.replace(weights, **changes) if changes else weights
+
+
+class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    token_ids: list[TokenId]
+    request_id: Optional[RequestId] = None
+    overrides: Optional[RouteOverrides] = None
+    #: Expected output tokens, booked as decode pages with the prompt (0 = prompt only).
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
+    #: Book load on the chosen worker (False: a dry run that only scores).
+    book: bool = True
+
+
+class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's overlap with a request, in pages, by the walk of DESIGN.md: `device` is the
+    device prefix, `host` continues it on host, `disk` continues that on disk;
+    `shared_beyond` counts shared-pool pages at positions >= `device`."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    shared_beyond: int = 0
+
+
+class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    logit: float
+    overlap: TierOverlap
+    prefill_load: int
+    decode_load: int
+    page_size: int
+
+
+class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    worker_id: str
+    logit: float
+    overlap: TierOverlap
+    candidates: list[CandidateScore]
+    request_pages: int
+    page_size: int
+    #: Empty when every input was available; otherwise what the decision had to do without,
+    #: e.g. "state-store-unavailable" (routed by load/round robin) or "shared-pool-unavailable".
+    degraded: list[str] = []
+    booked: bool = True
+    worker_url: str = ""
+
+
+class ReleaseStage(str, enum.Enum):
+    FIRST_TOKEN = "first_token"  # prefill done: the prefill pages leave the worker's queue
+    COMPLETE = "complete"  # finished or abandoned: everything the request booked is released
+
+
+class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    request_id: RequestId
+    stage: ReleaseStage = ReleaseStage.COMPLETE
+
+
+class ReleaseResponse(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    released: bool
+    worker_id: str = ""
+    prefill_pages: int = 0
+    decode_pages: int = 0
+
+
+class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """One decision as published to `kvtier.decisions.<model>`: enough to re-score it later
+    (the request's page hashes per page size, the weights, every candidate's inputs, and the
+    random draw that broke ties or sampled)."""
+
+    v: int = DECISION_SCHEMA_VERSION
+    request_id: str
+    model: str
+    router_id: str
+    ts: float
+    weights: ScoringWeights
+    random_draw: float
+    #: page size -> the request's page hashes (signed int64 BlockHash values) at that size
+    page_hashes: dict[int, list[int]]
+    request_pages: int
+    chosen: str
+    candidates: list[CandidateScore]
+    degraded: list[str] = []
+    latency_ms: float = 0.0
+    shared_pool_queried: bool = False
+
+
+class GenerateSamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_new_tokens: Optional[Annotated[int, msgspec.Meta(ge=0, le=10_000_000)]] = None
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of SGLang's native `/generate` body a proxying router reads; the body is
+    forwarded unchanged, so every other field reaches the worker as the client sent it."""
+
+    input_ids: list[TokenId]
+    model: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]] = None
+    rid: Optional[RequestId] = None
+    stream: bool = False
+    sampling_params: GenerateSamplingParams = GenerateSamplingParams()
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: str

@@ -1,0 +1,110 @@
+"""Router test machinery: tier state written through the processor's own apply code (as if
+the pipeline had delivered it), router replicas in their own processes, and an HTTP client."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import redis
+
+from kvtier.consumers.apply import TierStateWriter
+from kvtier.schemas.events import BridgeCursor, EventBatch, PagesStored, WorkerAnnounce
+from kvtier.schemas.hashes import BlockHash, sglang_block_hashes
+from kvtier.schemas.tiers import Tier
+from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
+
+from .helpers import KvtierProcess, wait_until
+
+
+def request_tokens(n_pages: int, page_size: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50_000 + 1 for i in range(n_pages * page_size)]
+
+
+class StateSeeder:
+    """Puts workers and their pages into Redis through TierStateWriter (the processor's apply)."""
+
+    def __init__(self, client: redis.Redis, model: str):
+        self.client, self.model = client, model
+        self.writer = TierStateWriter(client)
+        self._seq: dict[str, int] = {}
+
+    def announce(self, worker: str, page_size: int, lease_ttl_s: float = 600.0,
+                 layout: MooncakeLayout | None = None, url: str = "") -> None:
+        meta = WorkerMetadata(worker_id=worker, model=self.model, page_size=page_size, mooncake=layout,
+                              http_endpoint=url)
+        self.writer.announce(WorkerAnnounce(metadata=meta, ts=time.time(), lease_ttl_s=lease_ttl_s,
+                                            cursor=BridgeCursor(epoch=1, seq=self._seq.get(worker, 0))))
+
+    def store(self, worker: str, tier: Tier, hashes: list[BlockHash]) -> None:
+        seq = self._seq.get(worker, 0) + 1
+        self._seq[worker] = seq
+        batch = EventBatch(worker_id=worker, model=self.model, epoch=1, seq=seq, ts=time.time(),
+                           source_ts=time.time(), events=[PagesStored(tier=tier, hashes=list(hashes))])
+        result = self.writer.apply(batch)
+        assert result.status == 0, result
+
+    def worker(self, worker: str, page_size: int, tokens: list[int] | None = None, device: int = 0,
+               host: int = 0, disk: int = 0, layout: MooncakeLayout | None = None, url: str = "") -> None:
+        """A live worker holding the first `device` pages of `tokens` on device, the next
+        `host` on host and the next `disk` on disk."""
+        self.announce(worker, page_size, layout=layout, url=url)
+        hashes = sglang_block_hashes(tokens or [], page_size)
+        if device:
+            self.store(worker, Tier.DEVICE, hashes[:device])
+        if host:
+            self.store(worker, Tier.HOST, hashes[device:device + host])
+        if disk:
+            self.store(worker, Tier.DISK, hashes[device + host:device + host + disk])
+
+
+def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers); 4xx/5xx answers are returned, not raised."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, (json.loads(raw) if raw else {}), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = {"raw": raw.decode(errors="replace")}
+        return exc.code, payload, dict(exc.headers)
+
+
+class RouterProcess(KvtierProcess):
+    """`kvtier router` on a free port, started and stopped by PID."""
+
+    def __init__(self, redis_url: str, *extra: str, nats_url: str = "", env: dict[str, str] | None = None):
+        from kvtier.embedded import free_port
+
+        self.port = free_port()
+        args = ["router", "--redis", redis_url, "--http-port", str(self.port)]
+        if nats_url:
+            args += ["--nats", nats_url]
+        super().__init__(*args, *extra, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_until(self._up, timeout=20, what=lambda: f"router on {self.url} to answer:\n{self.output()[-2000:]}")
+
+    def _up(self) -> bool:
+        if not self.alive():
+            raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+        try:
+            return http("GET", self.url + "/healthz", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def route(self, model: str, token_ids: list[int], **extra) -> tuple[int, dict, dict]:
+        return http("POST", self.url + "/v1/route", {"model": model, "token_ids": token_ids, **extra})
+
+    def release(self, model: str, request_id: str, stage: str = "complete") -> tuple[int, dict, dict]:
+        return http("POST", self.url + "/v1/release", {"model": model, "request_id": request_id, "stage": stage})
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
+            return response.read().decode()
