@@ -1,21 +1,22 @@
 -- Apply one kvtier EventBatch to a worker's tier state, atomically, in seq order.
--- KEYS: 1 state hash, 2 workers set, 3..6 the worker's tier sets (device, host, disk, external)
+-- KEYS: 1 state hash, 2 workers set, 3 the worker's pages set, 4 the model's stale-workers set
 -- ARGV: 1 (reserved), 2 worker, 3 epoch, 4 seq, 5 mode ("next"|"rebase"),
 --       6 epoch reason ("" when none), 7 now (unix ms), 8 source ts (unix s),
 --       9.. ops as triples: kind ("S" store | "R" remove | "C" clear), tier bit, page-key blob
 --       (16 hex digits per page, concatenated).
 -- Returns {status, epoch, seq, transitions, stale}; status 0 applied, 1 duplicate (seq
 -- already applied), 2 ahead (a gap: earlier seq missing), 3 old epoch (superseded).
--- A store is one SADD and a remove one SREM per op: nothing is read first.
-local state, workers = KEYS[1], KEYS[2]
-local TIER_KEY = {['1'] = KEYS[3], ['2'] = KEYS[4], ['4'] = KEYS[5], ['8'] = KEYS[6]}
+-- A store is one SADD and a remove one SREM per op (members: tier bit digit .. page key):
+-- nothing is read first. The state hash keeps a page count per tier ('n' .. tier bit).
+local state, workers, pages_key, stale_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local worker = ARGV[2]
 local epoch, seq, mode = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local reason, now = ARGV[6], ARGV[7]
 local CHUNK = 1000
 
 local function clear_worker()
-  redis.call('UNLINK', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  redis.call('UNLINK', pages_key)
+  redis.call('HDEL', state, 'n1', 'n2', 'n4', 'n8')
 end
 
 local cur = redis.call('HMGET', state, 'epoch', 'seq', 'stale')
@@ -28,6 +29,7 @@ if mode == 'rebase' then
   clear_worker()
   stale = 1
   redis.call('HSET', state, 'stale', 1, 'stale_reason', reason, 'stale_since_ms', now)
+  redis.call('SADD', stale_set, worker)
   redis.call('HINCRBY', state, 'gaps', 1)
 else
   if epoch < cur_epoch then return {3, cur_epoch, cur_seq, 0, stale} end
@@ -39,6 +41,7 @@ else
     clear_worker()
     stale = 0
     redis.call('HSET', state, 'stale', 0, 'stale_reason', '', 'last_epoch_reason', reason)
+    redis.call('SREM', stale_set, worker)
     redis.call('HINCRBY', state, 'epochs', 1)
   end
 end
@@ -51,15 +54,18 @@ while i <= #ARGV do
   if kind == 'C' then
     clear_worker()
   else
-    local key = TIER_KEY[tbit]
     local command = kind == 'S' and 'SADD' or 'SREM'
     local n = #blob / 16
     transitions = transitions + n
+    local changed = 0
     for s = 1, n, CHUNK do
       local e = math.min(s + CHUNK - 1, n)
-      local pages, count = {}, 0
-      for j = s, e do count = count + 1; pages[count] = string.sub(blob, (j - 1) * 16 + 1, j * 16) end
-      redis.call(command, key, unpack(pages))
+      local members, count = {}, 0
+      for j = s, e do count = count + 1; members[count] = tbit .. string.sub(blob, (j - 1) * 16 + 1, j * 16) end
+      changed = changed + redis.call(command, pages_key, unpack(members))
+    end
+    if changed > 0 then
+      redis.call('HINCRBY', state, 'n' .. tbit, kind == 'S' and changed or -changed)
     end
   end
 end

@@ -19,7 +19,7 @@ import redis
 
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, PageKey, block_hash_from_page_key, page_key, page_keys_blob
-from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, page_member, split_member
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
 
@@ -89,7 +89,7 @@ class TierStateWriter:
     def _call_args(batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
         keys = ModelKeys.for_model(batch.model)
         return (
-            [keys.state(batch.worker_id), keys.workers, *keys.tier_sets(batch.worker_id)],
+            [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers],
             ["", batch.worker_id, batch.epoch, batch.seq, mode.value,
              batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
              *_script_ops(batch)],
@@ -137,21 +137,16 @@ class TierStateWriter:
         pipe.set(keys.meta(meta.worker_id), msgspec.json.encode(meta))
         pipe.zadd(keys.leases, {meta.worker_id: expiry_ms})
         pipe.sadd(keys.workers, meta.worker_id)
-        # Routers walk each worker's sets with the request hashed at the worker's page size.
-        pipe.hset(keys.state(meta.worker_id), "page_size", meta.page_size)
+        # Routers walk each worker's pages with the request hashed at the worker's page size.
+        pipe.hset(keys.page_sizes, meta.worker_id, meta.page_size)
         pipe.hget(keys.state(meta.worker_id), "stale")
         return (pipe.execute()[-1] or b"0") not in (b"0", "0")
 
     def count_stale_workers(self) -> int:
-        stale = 0
+        pipe = self.client.pipeline(transaction=False)
         for token in self.client.smembers(MODELS_KEY):
-            keys = ModelKeys(as_text(token))
-            workers = [as_text(w) for w in self.client.smembers(keys.workers)]
-            pipe = self.client.pipeline(transaction=False)
-            for worker_id in workers:
-                pipe.hget(keys.state(worker_id), "stale")
-            stale += sum(1 for flag in pipe.execute() if flag in (b"1", "1"))
-        return stale
+            pipe.scard(ModelKeys(as_text(token)).stale_workers)
+        return sum(pipe.execute())
 
     def expire_dead_workers(self, now: float | None = None) -> list[tuple[str, str, int]]:
         """Clear every worker whose lease ran out. Returns (model token, worker, page-tier
@@ -163,7 +158,7 @@ class TierStateWriter:
             for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
                 worker_id = as_text(worker)
                 pages = int(self._expire(
-                    keys=[keys.state(worker_id), keys.leases, *keys.tier_sets(worker_id)],
+                    keys=[keys.state(worker_id), keys.leases, keys.pages(worker_id), keys.stale_workers],
                     args=[worker_id, now_ms],
                 ))
                 if pages >= 0:
@@ -187,16 +182,11 @@ def _result(raw) -> ApplyResult:
 
 # --- readers used by tests, replay and debugging tools -------------------------------------
 def read_worker_pages(client: redis.Redis, model: str, worker_id: str) -> dict[BlockHash, set[Tier]]:
-    """A worker's pages and the tiers each is on, read from its tier sets in one round trip."""
-    keys = ModelKeys.for_model(model)
-    pipe = client.pipeline(transaction=True)  # one consistent snapshot across the tier sets
-    for key in keys.tier_sets(worker_id):
-        pipe.smembers(key)
+    """A worker's pages and the tiers each is on (one SMEMBERS: a consistent snapshot)."""
     pages: dict[BlockHash, set[Tier]] = {}
-    for tier, members in zip(TIER_PRIORITY, pipe.execute()):
-        for member in members:
-            page = PageKey(as_text(member))
-            pages.setdefault(block_hash_from_page_key(page), set()).add(tier)
+    for member in client.smembers(ModelKeys.for_model(model).pages(worker_id)):
+        tier, page = split_member(as_text(member))
+        pages.setdefault(block_hash_from_page_key(page), set()).add(tier)
     return pages
 
 
@@ -207,21 +197,20 @@ def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[s
 
 def read_page_holders(client: redis.Redis, model: str, worker_ids: Iterable[str],
                       hashes: Sequence[BlockHash]) -> list[dict[str, int]]:
-    """For each page, worker -> tier bits, over the given workers (SMISMEMBER per tier set)."""
+    """For each page, worker -> tier bits, over the given workers (one SMISMEMBER each)."""
     keys = ModelKeys.for_model(model)
-    members = [page_key(h) for h in hashes]
+    pages = [page_key(h) for h in hashes]
+    members = [page_member(tier, p) for tier in TIER_PRIORITY for p in pages]
     workers = list(worker_ids)
     holders: list[dict[str, int]] = [{} for _ in hashes]
-    if not members or not workers:
+    if not pages or not workers:
         return holders
     pipe = client.pipeline(transaction=False)
     for worker_id in workers:
-        for key in keys.tier_sets(worker_id):
-            pipe.smismember(key, members)
-    rows = iter(pipe.execute())
-    for worker_id in workers:
-        for tier in TIER_PRIORITY:
-            for i, present in enumerate(next(rows)):
-                if present:
+        pipe.smismember(keys.pages(worker_id), members)
+    for worker_id, present in zip(workers, pipe.execute()):
+        for t, tier in enumerate(TIER_PRIORITY):
+            for i in range(len(pages)):
+                if present[t * len(pages) + i]:
                     holders[i][worker_id] = holders[i].get(worker_id, 0) | tier.bit
     return holders

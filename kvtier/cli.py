@@ -266,6 +266,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Also print lag p50/max per quarter second of the lag phase (to see bursts).")
     ingest.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(ingest)
+    route = bench_sub.add_parser("route", help="Router decision latency and throughput (64 workers, 128-page "
+                                               "requests), beside Dynamo's find_matches.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    route.add_argument("--workers", type=_positive_int, default=64, help="Live workers with tier state.")
+    route.add_argument("--request-pages", type=_positive_int, default=128, help="Pages per request.")
+    route.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per page.")
+    route.add_argument("--conversations", type=_positive_int, default=256, help="Distinct 128-page prefixes.")
+    route.add_argument("--conversations-per-worker", type=_positive_int, default=24,
+                       help="Prefixes each worker caches (random device/host/disk split).")
+    route.add_argument("--noise-pages", type=int, default=2000, help="Unrelated pages per worker and tier.")
+    route.add_argument("--decisions", type=_positive_int, default=3000, help="Decisions per measurement.")
+    route.add_argument("--concurrency", type=_positive_int, default=16, help="Concurrent in-process decisions.")
+    route.add_argument("--http-concurrency", type=_positive_int, default=32, help="Concurrent HTTP clients.")
+    route.add_argument("--shared-pool", action="store_true",
+                       help="Also measure with a real Mooncake master (needs a private network namespace).")
+    route.add_argument("--seed", type=int, default=1)
+    route.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(route)
     return parser
 
 
@@ -376,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.demo import run_demo
 
             return run_demo(args)
+        elif args.command == "bench" and args.bench == "route":
+            from kvtier.bench.route import run_route_bench
+
+            return run_route_bench(args)
         elif args.command == "bench" and args.bench == "ingest":
             from kvtier.bench.ingest import run_ingest_bench
 

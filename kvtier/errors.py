@@ -8,9 +8,11 @@ import errno
 def user_facing(exc: BaseException) -> str | None:
     from kvtier.embedded import MissingServerBinary, ServerStartError
     from kvtier.bench.dynamo_side import DynamoMissing
+    from kvtier.mooncake import MooncakeError
     from kvtier.streams import StreamMismatch
 
-    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, DynamoMissing, ValueError)):
+    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, DynamoMissing, MooncakeError,
+                        ValueError)):
         return str(exc)
     try:
         import redis

@@ -24,9 +24,7 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
             pipe = client.pipeline(transaction=False)
             pipe.hgetall(keys.state(worker_id))
             pipe.zscore(keys.leases, worker_id)
-            for key in keys.tier_sets(worker_id):
-                pipe.scard(key)
-            state, lease, *counts = pipe.execute()
+            state, lease = pipe.execute()
             state = {as_text(k): as_text(v) for k, v in state.items()}
             applied_ms = float(state.get("applied_ms", 0) or 0)
             rows.append({
@@ -36,7 +34,7 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                 "stale": state.get("stale") == "1", "stale_reason": state.get("stale_reason", ""),
                 "last_epoch_reason": state.get("last_epoch_reason", ""), "gaps": int(state.get("gaps", 0) or 0),
                 "applied_ago_s": round((now_ms - applied_ms) / 1000, 1) if applied_ms else None,
-                "pages": {tier.value: count for tier, count in zip(TIER_PRIORITY, counts)},
+                "pages": {tier.value: int(state.get(f"n{tier.bit}", 0) or 0) for tier in TIER_PRIORITY},
             })
     return rows
 

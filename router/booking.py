@@ -55,12 +55,14 @@ class LoadBook:
                               candidates: Sequence[tuple[str, float, int]], prefill_load_scale: float,
                               temperature: float, u: float, book: bool = True) -> Selection:
         """`candidates`: (worker id, cache credit, device overlap) in a fixed order."""
+        if any("," in c[0] for c in candidates):
+            raise ValueError("worker ids must not contain ',' (bridges only announce [A-Za-z0-9_-] ids)")
         keys = ModelKeys.for_model(model)
         args: list[str | int] = [keys.base, _now_ms(), self.ttl_ms, request_id, request_pages, decode_pages,
                                  repr(float(prefill_load_scale)), repr(float(temperature)), repr(float(u)),
                                  1 if book else 0]
-        for worker_id, credit, device in candidates:
-            args += (worker_id, repr(float(credit)), device)
+        args += (",".join(c[0] for c in candidates), ",".join(repr(float(c[1])) for c in candidates),
+                 ",".join(str(c[2]) for c in candidates))
         raw = await self._select(keys=[keys.prefill_load, keys.decode_load, keys.bookings], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))

@@ -4,37 +4,41 @@ object keys SGLang HiCache writes for each page."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.schemas.hashes import (
-    BlockHash,
-    PageDigest,
-    PageKey,
-    block_hash_of_digest,
-    page_key,
-    sglang_page_digests,
-)
+from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, sglang_page_digests
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
 
 @dataclass(frozen=True)
 class RequestPages:
-    """The request's full pages at one page size (a trailing partial page is never cached)."""
+    """The request's full pages at one page size (a trailing partial page is never cached).
+
+    `keys_blob` is every PageKey concatenated (16 hex digits each), the form the Redis walk
+    takes; a PageKey is the hex of the digest's first 8 bytes, so it is sliced, not computed."""
 
     page_size: int
     digests: tuple[PageDigest, ...]
-    hashes: tuple[BlockHash, ...]
-    keys: tuple[PageKey, ...]
+    keys_blob: str
 
     @classmethod
     def of(cls, token_ids: Sequence[int], page_size: int) -> "RequestPages":
         digests = tuple(sglang_page_digests(token_ids, page_size))
-        hashes = tuple(block_hash_of_digest(d) for d in digests)
-        return cls(page_size, digests, hashes, tuple(page_key(h) for h in hashes))
+        return cls(page_size, digests, b"".join(d[:8] for d in digests).hex())
 
     def __len__(self) -> int:
         return len(self.digests)
+
+    @property
+    def keys(self) -> tuple[PageKey, ...]:
+        blob = self.keys_blob
+        return tuple(PageKey(blob[i:i + 16]) for i in range(0, len(blob), 16))
+
+    @property
+    def hashes(self) -> tuple[BlockHash, ...]:
+        return tuple(BlockHash(h) for h in struct.unpack(f">{len(self.digests)}q", bytes.fromhex(self.keys_blob)))
 
 
 def mooncake_object_keys(digest: PageDigest, layout: MooncakeLayout) -> list[str]:
@@ -50,7 +54,7 @@ def mooncake_object_keys(digest: PageDigest, layout: MooncakeLayout) -> list[str
     if layout.key_prefix:
         stem = f"{layout.key_prefix}_{stem}"
     pp_ranks = range(layout.pp_size)
-    if layout.attention is AttentionKind.MLA:
+    if layout.attention == AttentionKind.MLA:
         if layout.pp_size == 1:
             return [f"{stem}__k"]
         return [f"{stem}_{pp}_k" for pp in pp_ranks]

@@ -1,62 +1,89 @@
 -- Every live worker's tiered overlap with a request, and its booked load, in one call.
--- KEYS: 1 leases zset, 2 prefill load hash, 3 decode load hash (all in the model's slot;
---       per-worker keys are derived from ARGV[1], which carries the same hash tag)
+-- KEYS: 1 leases zset, 2 prefill load hash, 3 decode load hash, 4 stale-workers set,
+--       5 page-size hash (all in the model's slot; each worker's pages set is derived from
+--       ARGV[1], which carries the same hash tag)
 -- ARGV: 1 key base "kvt:{m}", 2 now (unix ms), 3 first chunk size,
 --       4.. pairs: page size, page-key blob (16 hex digits per page, in request order)
 -- Returns a flat list, 8 fields per live worker (lease expiry > now):
 --   worker, status (0 candidate | 1 stale | 2 no pages given at its page size),
 --   page size, device, host, disk, queued prefill pages, active decode pages
 -- The walk is DESIGN.md's: the device prefix, then on host while the page is on host, then
--- on disk. Membership is tested in growing chunks and stops at the first miss, so a cold
--- worker costs one small SMISMEMBER per tier.
+-- on disk. Members of a worker's pages set are tier digit .. page key, so one SMISMEMBER
+-- can ask several tiers: a cold worker costs one call of three members.
 local base, first_chunk = ARGV[1], tonumber(ARGV[3])
+local TAG = {'1', '2', '4'}  -- device, host, disk: the tier bits as pages-set tags
 
 local pages_by_size = {}
 for i = 4, #ARGV, 2 do
   local blob, pages = ARGV[i + 1], {}
   for j = 1, #blob / 16 do pages[j] = string.sub(blob, (j - 1) * 16 + 1, j * 16) end
-  pages_by_size[ARGV[i]] = pages
+  pages_by_size[ARGV[i]] = {pages = pages, tagged = {{}, {}, {}}}
 end
 
--- Number of consecutive pages from position `from` that are members of `set`.
-local function run_length(set, pages, from)
-  local n, pos, chunk = #pages, from, first_chunk
+-- Tagged members are built once per request and tier, on first use.
+local function member(req, tier, j)
+  local column = req.tagged[tier]
+  local m = column[j]
+  if not m then
+    m = TAG[tier] .. req.pages[j]
+    column[j] = m
+  end
+  return m
+end
+
+-- First call: page 1 on every tier (a cold worker ends here). Then only the tier being
+-- walked is asked, in chunks growing 4x from where the previous call stopped.
+local function walk(set, req)
+  local n = #req.pages
+  local counts = {0, 0, 0}
+  local first = redis.call('SMISMEMBER', set, member(req, 1, 1), member(req, 2, 1), member(req, 3, 1))
+  local phase = 1
+  while phase <= 3 and first[phase] == 0 do phase = phase + 1 end
+  if phase > 3 then return counts end
+  counts[phase] = 1
+  local pos, chunk = 2, first_chunk
   while pos <= n do
     local last = math.min(pos + chunk - 1, n)
-    local found = redis.call('SMISMEMBER', set, unpack(pages, pos, last))
-    for j = 1, #found do
-      if found[j] == 0 then return pos + j - 1 - from end
+    local members = {}
+    for j = pos, last do members[j - pos + 1] = member(req, phase, j) end
+    local found = redis.call('SMISMEMBER', set, unpack(members))
+    local hit = 0
+    while hit < #found and found[hit + 1] == 1 do hit = hit + 1 end
+    counts[phase] = counts[phase] + hit
+    pos = pos + hit
+    if hit < #found then
+      phase = phase + 1  -- the walk goes on from this page on the next tier
+      if phase > 3 then return counts end
+      chunk = first_chunk
+    else
+      chunk = math.min(chunk * 4, 2048)  -- unpack() has a bounded stack
     end
-    pos = last + 1
-    chunk = math.min(chunk * 4, 4096)  -- unpack() has a bounded stack
   end
-  return n - from + 1
+  return counts
 end
 
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '+inf')
 if #live == 0 then return {} end
 local prefill = redis.call('HMGET', KEYS[2], unpack(live))
 local decode = redis.call('HMGET', KEYS[3], unpack(live))
+local stale = redis.call('SMISMEMBER', KEYS[4], unpack(live))
+local sizes = redis.call('HMGET', KEYS[5], unpack(live))
 local out = {}
 for w = 1, #live do
   local worker = live[w]
-  local wbase = base .. ':w:' .. worker .. ':'
-  local st = redis.call('HMGET', wbase .. 'state', 'stale', 'page_size')
-  local page_size = st[2] or '0'
-  local pages = pages_by_size[page_size]
-  local status, device, host, disk = 0, 0, 0, 0
-  if st[1] == '1' then
+  local page_size = sizes[w] or '0'
+  local req = pages_by_size[page_size]
+  local status, counts = 0, {0, 0, 0}
+  if stale[w] == 1 then
     status = 1
-  elseif not pages then
+  elseif not req then
     status = 2
-  elseif #pages > 0 then
-    device = run_length(wbase .. 'device', pages, 1)
-    if device < #pages then host = run_length(wbase .. 'host', pages, device + 1) end
-    if device + host < #pages then disk = run_length(wbase .. 'disk', pages, device + host + 1) end
+  elseif #req.pages > 0 then
+    counts = walk(base .. ':w:' .. worker .. ':pages', req)
   end
   local n = #out
   out[n + 1], out[n + 2], out[n + 3] = worker, status, tonumber(page_size)
-  out[n + 4], out[n + 5], out[n + 6] = device, host, disk
+  out[n + 4], out[n + 5], out[n + 6] = counts[1], counts[2], counts[3]
   out[n + 7], out[n + 8] = tonumber(prefill[w]) or 0, tonumber(decode[w]) or 0
 end
 return out

@@ -5,7 +5,9 @@
 -- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset
 -- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 request pages,
 --       6 decode pages, 7 prefill_load_scale, 8 temperature, 9 u in [0,1), 10 book (1|0),
---       11.. triples: worker, credit, device overlap (pages)
+--       11 workers (comma-separated), 12 their cache credits (comma-separated decimals),
+--       13 their device overlaps (comma-separated pages); one argument each, not 3 per worker,
+--       because packing hundreds of arguments costs the client more than splitting costs here
 -- Returns {chosen index (1-based) | -1 when the request id is already booked,
 --          worker prefill loads..., worker decode loads...} (loads as read before booking).
 local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -18,10 +20,9 @@ if book and redis.call('EXISTS', base .. ':bk:' .. request_id) == 1 then
 end
 
 local workers, credits, devices = {}, {}, {}
-for i = 11, #ARGV, 3 do
-  local k = #workers + 1
-  workers[k], credits[k], devices[k] = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-end
+for w in string.gmatch(ARGV[11], '[^,]+') do workers[#workers + 1] = w end
+for c in string.gmatch(ARGV[12], '[^,]+') do credits[#credits + 1] = tonumber(c) end
+for d in string.gmatch(ARGV[13], '[^,]+') do devices[#devices + 1] = tonumber(d) end
 local prefill = redis.call('HMGET', KEYS[1], unpack(workers))
 local decode = redis.call('HMGET', KEYS[2], unpack(workers))
 

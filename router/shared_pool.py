@@ -89,7 +89,7 @@ class SharedPoolClient:
             raise SharedPoolUnavailable(f"unreadable reply ({exc}): {body[:200]!r}") from None
         if not reply.success and not reply.data:
             raise SharedPoolUnavailable(f"master refused the query: {reply.error or body[:200]!r}")
-        return {key: status.ok for key, status in reply.data.items()}
+        return {key: status.ok for key, status in (reply.data or {}).items()}
 
     async def exists(self, keys: Sequence[str]) -> dict[str, bool]:
         """Existence of each key; chunks are asked concurrently, the whole within the timeout."""

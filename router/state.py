@@ -22,8 +22,8 @@ from .hashing import RequestPages
 
 log = logging.getLogger("kvtier.router")
 
-#: First SMISMEMBER chunk of the walk; later chunks grow 4x (8, 32, 128, ...).
-FIRST_CHUNK = 8
+#: Pages asked by the first SMISMEMBER of each tier's walk after page 1; chunks then grow 4x.
+FIRST_CHUNK = 4
 
 
 def load_script(name: str) -> str:
@@ -34,6 +34,9 @@ class WorkerStatus(enum.IntEnum):
     CANDIDATE = 0
     STALE = 1  # its state was rebuilt after a gap and may under-report pages
     UNHASHED = 2  # the request was not hashed at its page size (directory out of date)
+
+
+_STATUS_OF = {int(s): s for s in WorkerStatus}
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,14 @@ class OverlapReader:
         keys = ModelKeys.for_model(model)
         args: list[str | int] = [keys.base, now_ms if now_ms is not None else int(time.time() * 1000), FIRST_CHUNK]
         for size, pages in pages_by_size.items():
-            args += (size, "".join(pages.keys))
-        flat = await self._script(keys=[keys.leases, keys.prefill_load, keys.decode_load], args=args)
-        views = []
-        for i in range(0, len(flat), 8):
-            worker, status, size, device, host, disk, prefill, decode = flat[i:i + 8]
-            views.append(WorkerView(as_text(worker), WorkerStatus(int(status)), int(size),
-                                    TierOverlap(device=int(device), host=int(host), disk=int(disk)),
-                                    int(prefill), int(decode)))
-        return views
+            args += (size, pages.keys_blob)
+        flat = await self._script(keys=[keys.leases, keys.prefill_load, keys.decode_load, keys.stale_workers,
+                                        keys.page_sizes], args=args)
+        status_of = _STATUS_OF
+        return [WorkerView(worker.decode() if isinstance(worker, bytes) else worker, status_of[status], size,
+                           TierOverlap(device=device, host=host, disk=disk), prefill, decode)
+                for worker, status, size, device, host, disk, prefill, decode
+                in (flat[i:i + 8] for i in range(0, len(flat), 8))]
 
 
 @dataclass(frozen=True)

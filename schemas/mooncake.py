@@ -4,15 +4,17 @@ GET /batch_query_keys?keys=k1,k2 -> {"success": true, "data": {"k1": {"ok": true
 
 from __future__ import annotations
 
+from typing import Optional
+
 import msgspec
 
 
 class KeyStatus(msgspec.Struct, frozen=True):
     ok: bool = False
-    error: str = ""
+    error: Optional[str] = None  # "OBJECT_NOT_FOUND" when absent; null when present
 
 
 class BatchQueryReply(msgspec.Struct, frozen=True):
     success: bool = False
-    data: dict[str, KeyStatus] = {}
-    error: str = ""
+    data: Optional[dict[str, KeyStatus]] = None
+    error: Optional[str] = None

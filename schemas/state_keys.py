@@ -4,14 +4,16 @@ replay and analytics (readers).
 Every key of one model carries the hash tag `{<model token>}`, so one model's state lives in
 one hash slot: the apply script is atomic over it, and Redis Cluster shards by model.
 
-  kvt:{m}:w:<worker>:device set   pages on the worker's GPU      (one set per tier:
-  kvt:{m}:w:<worker>:host   set   pages in its host RAM           device, host, disk,
-  kvt:{m}:w:<worker>:disk   set   pages on its disk tier          external; a page on
-  kvt:{m}:w:<worker>:external set pages it put in a shared store  two tiers is in two)
-  kvt:{m}:w:<worker>:state  hash  epoch, seq, stale, ...        (apply bookkeeping)
+  kvt:{m}:w:<worker>:pages  set   the worker's pages, each tagged with its tier: member =
+                                  tier bit as one hex digit + PageKey ("1"+16 hex on device,
+                                  "2" host, "4" disk, "8" external); a page on two tiers is
+                                  two members
+  kvt:{m}:w:<worker>:state  hash  epoch, seq, stale, n<bit> page count per tier, ...
   kvt:{m}:w:<worker>:meta   str   WorkerMetadata as JSON
   kvt:{m}:leases            zset  worker -> lease expiry (unix ms)
   kvt:{m}:workers           set   every worker with state
+  kvt:{m}:stale             set   workers whose state is marked stale (routers skip them)
+  kvt:{m}:page_size         hash  worker -> page size (routers hash requests at it)
   kvt:models                set   model tokens (no tag: read once, outside any script)
 
 Load booked by routers (written only by router/*.lua, atomically with each selection):
@@ -20,17 +22,29 @@ Load booked by routers (written only by router/*.lua, atomically with each selec
   kvt:{m}:bookings          zset  request id -> booking expiry (unix ms)
   kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back)
 
-`<page>` is a `PageKey` (16 hex digits). One set per tier, not one page -> bits hash: a
-store is a SADD and a remove a SREM, with nothing to read first, which measured ~1.9x
-cheaper per transition inside the apply script (BENCHMARKS.md).
+One tier-tagged set per worker rather than one set per tier: a store is still one SADD and
+a remove one SREM with nothing read first, and a router's walk asks all tiers of a worker in
+one SMISMEMBER, so a cold worker costs one call instead of three (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .hashes import PageKey
 from .subjects import subject_token
-from .tiers import TIER_PRIORITY, Tier
+from .tiers import Tier
+
+_TIER_OF_TAG = {format(tier.bit, "x"): tier for tier in Tier}
+
+
+def page_member(tier: Tier, page: PageKey) -> str:
+    """A page's member in its worker's pages set: the tier bit as one hex digit, then the key."""
+    return format(tier.bit, "x") + page
+
+
+def split_member(member: str) -> tuple[Tier, PageKey]:
+    return _TIER_OF_TAG[member[0]], PageKey(member[1:])
 
 MODELS_KEY = "kvt:models"
 
@@ -55,12 +69,16 @@ class ModelKeys:
     def workers(self) -> str:
         return f"{self.base}:workers"
 
-    def tier_set(self, worker_id: str, tier: Tier) -> str:
-        return f"{self.base}:w:{worker_id}:{tier.value}"
+    @property
+    def stale_workers(self) -> str:
+        return f"{self.base}:stale"
 
-    def tier_sets(self, worker_id: str) -> list[str]:
-        """The worker's tier sets in `TIER_PRIORITY` order (device, host, disk, external)."""
-        return [self.tier_set(worker_id, tier) for tier in TIER_PRIORITY]
+    @property
+    def page_sizes(self) -> str:
+        return f"{self.base}:page_size"
+
+    def pages(self, worker_id: str) -> str:
+        return f"{self.base}:w:{worker_id}:pages"
 
     @property
     def prefill_load(self) -> str:

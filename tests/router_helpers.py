@@ -46,6 +46,16 @@ class StateSeeder:
         result = self.writer.apply(batch)
         assert result.status == 0, result
 
+    def mark_stale(self, worker: str) -> None:
+        """What the processor does when a gap never fills: rebase (clear, mark stale)."""
+        from kvtier.consumers.apply import ApplyMode
+
+        seq = self._seq.get(worker, 0) + 5  # skip ahead, as after lost batches
+        self._seq[worker] = seq
+        batch = EventBatch(worker_id=worker, model=self.model, epoch=1, seq=seq, ts=time.time(),
+                           source_ts=time.time(), events=[])
+        assert self.writer.apply(batch, ApplyMode.REBASE).stale
+
     def worker(self, worker: str, page_size: int, tokens: list[int] | None = None, device: int = 0,
                host: int = 0, disk: int = 0, layout: MooncakeLayout | None = None, url: str = "") -> None:
         """A live worker holding the first `device` pages of `tokens` on device, the next

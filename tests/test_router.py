@@ -69,7 +69,7 @@ def test_only_live_fresh_workers_are_candidates(redis_client, redis_server):
     seeder.worker("best-but-stale", 2, tokens, device=4)
     seeder.worker("best-but-dead", 2, tokens, device=4)
     keys = ModelKeys.for_model(MODEL)
-    redis_client.hset(keys.state("best-but-stale"), mapping={"stale": 1, "stale_reason": "gap"})
+    seeder.mark_stale("best-but-stale")
     redis_client.zadd(keys.leases, {"best-but-dead": int(time.time() * 1000) - 1})
     router = RouterProcess(redis_server.url)
     try:
@@ -77,7 +77,7 @@ def test_only_live_fresh_workers_are_candidates(redis_client, redis_server):
         assert status == 200, body
         assert [c["worker_id"] for c in body["candidates"]] == ["fresh"]
         # when nothing but stale workers is left, route among them by load and say so
-        redis_client.hset(keys.state("fresh"), "stale", 1)
+        seeder.mark_stale("fresh")
         status, body, headers = router.route(MODEL, tokens, book=False)
         assert status == 200 and body["degraded"] == ["only-stale-workers"], body
         assert headers["X-Kvtier-Degraded"] == "only-stale-workers"
