@@ -106,13 +106,18 @@ def _watch_visibility(url: str, workers: list[str], results, ready, stop) -> Non
     ready.set()
     while not stop.is_set():
         changed: set[str] = set()
-        message = pubsub.get_message(timeout=0.1)
-        while message:  # take every notification already queued, then read each key once
-            if message["type"] == "pmessage":
-                worker = keys.get(message["channel"].decode().split(":", 1)[1])
-                if worker is not None:
-                    changed.add(worker)
-            message = pubsub.get_message(timeout=0)
+        try:
+            message = pubsub.get_message(timeout=0.1)
+            while message:  # take every notification already queued, then read each key once
+                if message["type"] == "pmessage":
+                    worker = keys.get(message["channel"].decode().split(":", 1)[1])
+                    if worker is not None:
+                        changed.add(worker)
+                message = pubsub.get_message(timeout=0)
+        except redis.exceptions.TimeoutError:
+            # redis-py raises this when a non-blocking read finds half a message (a burst of
+            # notifications); the parser keeps what it read, so the next read completes it.
+            pass
         if not changed:
             continue
         pipe = client.pipeline(transaction=False)
