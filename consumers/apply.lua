@@ -47,12 +47,14 @@ else
 end
 
 local transitions = 0
+local count_delta = {}  -- tier bit -> change in its page count, written once per batch
 local i = 9
 while i <= #ARGV do
   local kind, tbit, blob = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
   if kind == 'C' then
     clear_worker()
+    count_delta = {}  -- what came before the clear is gone with it
   else
     local command = kind == 'S' and 'SADD' or 'SREM'
     local n = #blob / 16
@@ -65,11 +67,14 @@ while i <= #ARGV do
       changed = changed + redis.call(command, pages_key, unpack(members))
     end
     if changed > 0 then
-      redis.call('HINCRBY', state, 'n' .. tbit, kind == 'S' and changed or -changed)
+      count_delta[tbit] = (count_delta[tbit] or 0) + (kind == 'S' and changed or -changed)
     end
   end
 end
 
+for tbit, delta in pairs(count_delta) do
+  if delta ~= 0 then redis.call('HINCRBY', state, 'n' .. tbit, delta) end
+end
 redis.call('HSET', state, 'epoch', epoch, 'seq', seq, 'applied_ms', now, 'source_ts', ARGV[8])
 redis.call('PERSIST', state)
 redis.call('SADD', workers, worker)
