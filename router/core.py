@@ -75,7 +75,7 @@ class RouterSettings:
 @dataclass(frozen=True)
 class Outcome:
     response: RouteResponse
-    decision: RouteDecision
+    decision: RouteDecision | None  # built only when a decision log is configured
 
 
 class _Fallback:
@@ -257,12 +257,13 @@ class Router:
             booked=request.book, worker_url=meta.http_endpoint if meta else "")
         latency = time.perf_counter() - started
         self._observe(response, shared, n_pages, latency, "kv")
-        decision = RouteDecision(
-            request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights,
-            random_draw=u, page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()},
-            request_pages=n_pages, chosen=winner.worker_id, candidates=candidates, degraded=degraded,
-            latency_ms=latency * 1000, shared_pool_queried=shared is not None)
+        decision = None
         if self.decision_log is not None:
+            decision = RouteDecision(
+                request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights,
+                random_draw=u, page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()},
+                request_pages=n_pages, chosen=winner.worker_id, candidates=candidates, degraded=degraded,
+                latency_ms=latency * 1000, shared_pool_queried=shared is not None)
             self.decision_log.submit(decision)
         return Outcome(response, decision)
 

@@ -103,3 +103,18 @@ def test_lease_expiry_clears_only_expired_workers(redis_client):
     assert read_page_holders(redis_client, M, ["dead", "alive"], [1])[0] == {"alive": 1}
     assert read_worker_state(redis_client, M, "dead")["stale_reason"] == "lease_expired"
     assert writer.count_stale_workers() == 1
+
+
+def test_page_counts_per_tier_follow_stores_removes_and_clears(redis_client):
+    writer = TierStateWriter(redis_client)
+    writer.apply(kvtier_batch(M, "w", 1, 1, [store([1, 2, 3]), store([1, 2], "CPU_PINNED"),
+                                             store([3], "GPU"),  # already there: not counted twice
+                                             BlockRemoved(block_hashes=[2, 9], medium="GPU")]))
+    state = read_worker_state(redis_client, M, "w")
+    assert (state.get("n1"), state.get("n2"), state.get("n4")) == ("2", "2", None)
+    # a clear in the middle of a batch: only what follows it is counted
+    writer.apply(kvtier_batch(M, "w", 1, 2, [store([5], "DISK"), AllBlocksCleared(), store([7, 8]),
+                                             store([7], "CPU_PINNED")]))
+    state = read_worker_state(redis_client, M, "w")
+    assert (state.get("n1"), state.get("n2"), state.get("n4")) == ("2", "1", None)
+    assert read_worker_pages(redis_client, M, "w") == {7: {Tier.DEVICE, Tier.HOST}, 8: {Tier.DEVICE}}
