@@ -287,10 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _setup(args) -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
+    if args.command in ("bench", "demo"):
+        # SIGTERM unwinds like Ctrl-C, so the embedded servers these start are stopped too.
+        signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:

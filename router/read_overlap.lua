@@ -20,15 +20,14 @@ for i = 4, #ARGV, 2 do
   pages_by_size[ARGV[i]] = {pages = pages, tagged = {{}, {}, {}}}
 end
 
--- Tagged members are built once per request and tier, on first use.
-local function member(req, tier, j)
-  local column = req.tagged[tier]
-  local m = column[j]
-  if not m then
-    m = TAG[tier] .. req.pages[j]
-    column[j] = m
+-- A tier's column of tagged members, built once per request and tier, on first use.
+local function column(req, tier)
+  local col = req.tagged[tier]
+  if #col == 0 then
+    local tag, pages = TAG[tier], req.pages
+    for j = 1, #pages do col[j] = tag .. pages[j] end
   end
-  return m
+  return col
 end
 
 -- First call: page 1 on every tier (a cold worker ends here). Then only the tier being
@@ -36,7 +35,7 @@ end
 local function walk(set, req)
   local n = #req.pages
   local counts = {0, 0, 0}
-  local first = redis.call('SMISMEMBER', set, member(req, 1, 1), member(req, 2, 1), member(req, 3, 1))
+  local first = redis.call('SMISMEMBER', set, column(req, 1)[1], column(req, 2)[1], column(req, 3)[1])
   local phase = 1
   while phase <= 3 and first[phase] == 0 do phase = phase + 1 end
   if phase > 3 then return counts end
@@ -44,9 +43,7 @@ local function walk(set, req)
   local pos, chunk = 2, first_chunk
   while pos <= n do
     local last = math.min(pos + chunk - 1, n)
-    local members = {}
-    for j = pos, last do members[j - pos + 1] = member(req, phase, j) end
-    local found = redis.call('SMISMEMBER', set, unpack(members))
+    local found = redis.call('SMISMEMBER', set, unpack(column(req, phase), pos, last))
     local hit = 0
     while hit < #found and found[hit + 1] == 1 do hit = hit + 1 end
     counts[phase] = counts[phase] + hit
