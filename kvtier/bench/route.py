@@ -131,6 +131,7 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
         for _ in range(20):
             await router.route(warm)
         hashing, latencies = [], []
+        await client.config_resetstat()
         for i, conv in enumerate(requests):
             tokens = state.conversations[conv]
             start = time.perf_counter()
@@ -143,6 +144,11 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
                 hashing.append(time.perf_counter() - start)
         result = _summary(latencies)
         result["hashing_p50_ms"] = round(statistics.median(hashing) * 1000, 4)
+        # Redis CPU per decision (the walk, the selection and the release), from the server's
+        # own accounting: what caps one model's decisions per Redis shard.
+        stats = await client.info("commandstats")
+        result["redis_ms_per_decision"] = round(
+            sum(v["usec"] for k, v in stats.items() if k.startswith("cmdstat_")) / len(requests) / 1000, 4)
 
         queue = list(enumerate(requests))
         done = 0
@@ -307,7 +313,8 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
 def _print_table(results: dict) -> None:
     rows = [("decision p50 / p99 (ms)", f"{results['p50_ms']} / {results['p99_ms']}"),
             ("decisions/s (in-process, concurrent)", results["decisions_per_s"]),
-            ("request hashing p50 (ms)", results["hashing_p50_ms"])]
+            ("request hashing p50 (ms)", results["hashing_p50_ms"]),
+            ("Redis CPU per decision (ms, incl. release)", results["redis_ms_per_decision"])]
     if "shared_p50_ms" in results:
         rows.append(("with shared pool p50 / p99 (ms)", f"{results['shared_p50_ms']} / {results['shared_p99_ms']}"))
         rows.append(("with shared pool decisions/s", results["shared_decisions_per_s"]))
