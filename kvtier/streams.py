@@ -126,14 +126,18 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
         )
     dlq = StreamConfig(name=DLQ_STREAM, subjects=[f"{DLQ_PREFIX}.>"], retention=RetentionPolicy.LIMITS,
                        max_age=7 * 24 * 3600.0, storage=storage, num_replicas=settings.replicas)
+    await _add_stream_if_missing(js, dlq)
+    return existing
+
+
+async def _add_stream_if_missing(js: JetStreamContext, config: StreamConfig) -> None:
     try:
-        await js.stream_info(DLQ_STREAM)
+        await js.stream_info(config.name)
     except nats.js.errors.NotFoundError:
         try:
-            await js.add_stream(dlq)
+            await js.add_stream(config)
         except nats.js.errors.BadRequestError:
-            pass
-    return existing
+            pass  # another process created it first
 
 
 async def ensure_decisions_stream(js: JetStreamContext, max_age_s: float = 7 * 24 * 3600.0,
@@ -143,10 +147,4 @@ async def ensure_decisions_stream(js: JetStreamContext, max_age_s: float = 7 * 2
                           retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD,
                           max_age=max_age_s, max_bytes=max_bytes, storage=StorageType.FILE,
                           num_replicas=replicas)
-    try:
-        await js.stream_info(DECISIONS_STREAM)
-    except nats.js.errors.NotFoundError:
-        try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            pass  # another router created it first
+    await _add_stream_if_missing(js, config)

@@ -13,12 +13,15 @@ robin on ties, and says so (`degraded`).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
+
+import redis.exceptions
 
 from kvtier.schemas.routing import (
     CandidateScore,
@@ -30,10 +33,11 @@ from kvtier.schemas.routing import (
     ScoringWeights,
     TierOverlap,
 )
+from kvtier.schemas.subjects import subject_token
 from kvtier.schemas.worker import WorkerMetadata
 
 from . import scoring
-from .booking import LoadBook
+from .booking import AlreadyBooked, LoadBook
 from .hashing import RequestPages
 from .metrics import RouterMetrics
 from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
@@ -145,23 +149,16 @@ class Router:
             return await self._route_with_state(request, request_id, weights, u, started)
         except RoutingError:
             raise
-        except (OSError, ConnectionError, TimeoutError) as exc:
+        except redis.exceptions.ResponseError:
+            raise  # Redis answered: a bug to see, not an outage to route around
+        except (OSError, asyncio.TimeoutError, redis.exceptions.RedisError) as exc:
             self._state_failed(exc)
             return self._route_without_state(request, request_id, weights, u, started)
-        except Exception as exc:
-            import redis.exceptions
-
-            if isinstance(exc, redis.exceptions.RedisError) and not isinstance(exc, redis.exceptions.ResponseError):
-                self._state_failed(exc)
-                return self._route_without_state(request, request_id, weights, u, started)
-            raise
 
     async def _directory(self, model: str, refresh: bool = False) -> ModelDirectory:
         directory = await self.directory.get(model, refresh=refresh)
         if not directory.workers and model not in self.models_seen:
             known = await self.directory.known_models()
-            from kvtier.schemas.subjects import subject_token
-
             if subject_token(model) not in known:
                 raise UnknownModel(f"unknown model {model!r}: no worker has announced it "
                                    f"(known models: {', '.join(sorted(known)) or 'none'})")
@@ -170,8 +167,6 @@ class Router:
 
     async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
                                 u: float, started: float) -> Outcome:
-        import asyncio
-
         model = request.model
         directory = await self._directory(model)
         views: list[WorkerView] = []
@@ -231,12 +226,8 @@ class Router:
                 model, request_id, n_pages, decode_pages,
                 [(c.worker_id, credit, c.overlap.device) for c, credit in zip(inputs, credits)],
                 weights.prefill_load_scale, weights.temperature, u, book=request.book)
-        except Exception as exc:
-            from .booking import AlreadyBooked
-
-            if isinstance(exc, AlreadyBooked):
-                raise DuplicateRequest(str(exc)) from None
-            raise
+        except AlreadyBooked as exc:
+            raise DuplicateRequest(str(exc)) from None
         booked_inputs = [scoring.CandidateInputs(c.worker_id, c.overlap, p, d)
                          for c, p, d in zip(inputs, selection.prefill_loads, selection.decode_loads)]
         scored = scoring.score(n_pages, booked_inputs, weights, u)
@@ -278,8 +269,7 @@ class Router:
             for size, layouts in layouts_by_size.items():
                 result[size] = await self.shared_pool.pages_present(pages_by_size[size], list(layouts))
         except SharedPoolUnavailable as exc:
-            reason = "timeout" if "no answer within" in str(exc) else "error"
-            self.metrics.shared_pool_errors.labels(reason).inc()
+            self.metrics.shared_pool_errors.labels(exc.reason).inc()
             self.last_shared_pool_error = str(exc)
             log.warning("Shared cache query failed (%s); scoring without the shared pool", exc)
             raise

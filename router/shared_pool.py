@@ -27,6 +27,10 @@ MAX_KEYS_PER_QUERY = 100
 class SharedPoolUnavailable(Exception):
     """The master could not answer in time (timeout, connection refused, bad reply)."""
 
+    def __init__(self, message: str, reason: str = "error"):
+        super().__init__(message)
+        self.reason = reason  # "timeout" | "error": the label of router_shared_pool_errors_total
+
 
 @dataclass(frozen=True)
 class SharedPages:
@@ -100,7 +104,7 @@ class SharedPoolClient:
             replies = await asyncio.wait_for(asyncio.gather(*(self._query_chunk(c) for c in chunks)),
                                              self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
-            raise SharedPoolUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms") from None
+            raise SharedPoolUnavailable(f"no answer within {self.timeout_s * 1000:.0f} ms", "timeout") from None
         except SharedPoolUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - connection errors of any kind degrade the same way
