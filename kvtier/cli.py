@@ -60,6 +60,16 @@ def _worker_id(text: str) -> str:
     return text
 
 
+def _default_trace() -> str:
+    """The full public trace where this checkout sits beside it, else the sample shipped here."""
+    import pathlib
+
+    shared = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    if shared.exists():
+        return str(shared)
+    return str(pathlib.Path(__file__).resolve().parent / "data" / "mooncake_trace_sample.jsonl")
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):
@@ -221,6 +231,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--router-id", default="", help="Name in the decision log (default: random).")
     _add_common(r)
 
+    w = sub.add_parser("sim-worker", help="Simulated SGLang HiCache workers speaking SGLang's KV-event wire format.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w.add_argument("--ranks", type=_positive_int, default=1,
+                   help="Simulated workers (DP ranks); rank r publishes on --port + r (bridge: --dp-size).")
+    w.add_argument("--port", type=int, required=True, help="ZMQ PUB port of rank 0.")
+    w.add_argument("--replay-port", type=int, required=True, help="ZMQ replay ROUTER port of rank 0.")
+    w.add_argument("--http-port", type=int, default=0, help="HTTP port for requests (0: a free one, printed).")
+    w.add_argument("--host", default="127.0.0.1", help="Address to bind.")
+    w.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")
+    w.add_argument("--device-pages", type=_positive_int, default=4096, help="GPU KV pool, in pages.")
+    w.add_argument("--host-pages", type=int, default=None,
+                   help="Host (L2) pool in pages; default --hicache-ratio x device pages; 0 = no HiCache.")
+    w.add_argument("--hicache-ratio", type=_non_negative_float, default=2.0, help="Host pool / device pool.")
+    w.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                   default="write_through", help="HiCache write policy (SGLang's --hicache-write-policy).")
+    w.add_argument("--dma-delay-ms", type=_non_negative_float, default=2.0,
+                   help="Simulated device->host copy time before the host store event.")
+    w.add_argument("--prefill-us-per-token", type=_non_negative_float, default=25.0,
+                   help="Cost model: prefill compute per recomputed token.")
+    w.add_argument("--l3", action="store_true", help="Write pages to a shared L3 pool and prefetch from it.")
+    w.add_argument("--l3-pages", type=_positive_int, default=None, help="L3 pool capacity in pages (default: unbounded).")
+    _add_common(w)
+
     s = sub.add_parser("servers", help="Run embedded nats-server (JetStream) and Redis-protocol servers.",
                        description="Start nats-server with JetStream and a Redis-protocol server on loopback, print "
                                    "their URLs, and stop both on Ctrl-C/SIGTERM.")
@@ -237,9 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="Print one JSON array instead of a table.")
     _add_common(i)
 
-    d = sub.add_parser("demo", help="Run the whole pipeline on embedded servers and show per-tier state.")
-    d.add_argument("--workers", type=_positive_int, default=3, help="Simulated SGLang publishers.")
-    d.add_argument("--batches", type=_positive_int, default=200, help="Engine batches each worker emits.")
+    d = sub.add_parser("demo", help="Replay a sample of the Mooncake conversation trace on a simulated HiCache "
+                                    "cluster, once per routing policy, and compare them (embedded servers).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--requests", type=_positive_int, default=400, help="Requests of the sample trace to replay.")
+    d.add_argument("--trace", default="", help="Another trace in the same format (default: the shipped sample).")
+    d.add_argument("--workers", type=_positive_int, default=4, help="Simulated workers.")
+    d.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")
+    d.add_argument("--device-pages", type=_positive_int, default=1024, help="GPU pool per worker, in pages.")
+    d.add_argument("--host-pages", type=_positive_int, default=4096, help="Host pool per worker, in pages.")
+    d.add_argument("--time-scale", type=_positive_float, default=12.0, help="Trace seconds per wall second.")
+    d.add_argument("--out", default="kvtier-demo", help="Folder for report.json and policies.png.")
+    d.add_argument("--seed", type=int, default=1)
     _add_common(d)
 
     bench = sub.add_parser("bench", help="Benchmarks (results go to BENCHMARKS.md).")
@@ -284,6 +326,27 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--seed", type=int, default=1)
     route.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(route)
+    rp = bench_sub.add_parser("replay", help="Replay a Mooncake-format trace on a simulated HiCache cluster, "
+                                             "once per routing policy, through the real pipeline and router.",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    rp.add_argument("--trace", default=_default_trace(), help="Trace file (Mooncake FAST'25 JSONL format).")
+    rp.add_argument("--requests", type=_positive_int, default=None, help="Only the first N requests.")
+    rp.add_argument("--workers", type=_positive_int, default=8, help="Simulated workers.")
+    rp.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")
+    rp.add_argument("--device-pages", type=_positive_int, default=2048, help="GPU pool per worker, in pages.")
+    rp.add_argument("--host-pages", type=_positive_int, default=16384, help="Host pool per worker, in pages.")
+    rp.add_argument("--l3-pages", type=_positive_int, default=None,
+                    help="Shared L3 pool, in pages (default: the workers' host pools together).")
+    rp.add_argument("--no-l3", action="store_true", help="No shared L3 pool in the simulated cluster.")
+    rp.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                    default="write_through")
+    rp.add_argument("--time-scale", type=_positive_float, default=30.0,
+                    help="Trace seconds per wall second (30: an hour of trace in two minutes).")
+    rp.add_argument("--policies", default="", help="Comma-separated subset of: " + ", ".join(
+        ["random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared"]))
+    rp.add_argument("--seed", type=int, default=1)
+    rp.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(rp)
     return parser
 
 
@@ -383,6 +446,17 @@ def main(argv: list[str] | None = None) -> int:
             _run_until_signal(lambda stop: Processor(config).run(stop))
         elif args.command == "router":
             _run_until_signal(lambda stop: _run_router(args, stop))
+        elif args.command == "sim-worker":
+            from kvtier.producers.hicache_sim import SimConfig
+            from kvtier.producers.sim_worker import SimWorkerConfig, run_sim_worker
+
+            host_pages = args.host_pages if args.host_pages is not None else int(args.device_pages * args.hicache_ratio)
+            sim = SimConfig(page_size=args.page_size, device_pages=args.device_pages, host_pages=host_pages,
+                            write_policy=args.write_policy, dma_delay_s=args.dma_delay_ms / 1000,
+                            prefill_s_per_token=args.prefill_us_per_token / 1e6, l3=args.l3)
+            config = SimWorkerConfig(ranks=args.ranks, port=args.port, replay_port=args.replay_port,
+                                     http_port=args.http_port, host=args.host, sim=sim, l3_pages=args.l3_pages)
+            _run_until_signal(lambda stop: run_sim_worker(config, stop))
         elif args.command == "servers":
             from kvtier.embedded import NatsServer, RedisServer
 
@@ -401,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.demo import run_demo
 
             return run_demo(args)
+        elif args.command == "bench" and args.bench == "replay":
+            from kvtier.bench.replay import run_replay_bench
+
+            return run_replay_bench(args)
         elif args.command == "bench" and args.bench == "route":
             from kvtier.bench.route import run_route_bench
 

@@ -50,14 +50,6 @@ def test_missing_required_flag_is_named():
     assert "--worker-id" in out.stderr and "required" in out.stderr
 
 
-def test_demo_runs_end_to_end_and_verifies_itself():
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--workers", "2", "--batches", "40"],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("worker-")]
-    assert len(rows) == 2 and all(row.rstrip().endswith("yes") for row in rows), out.stdout
-
-
 def test_processor_refuses_partitions_the_stream_does_not_have(nats_server, redis_server):
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url, "--redis",
                           redis_server.url, "--partitions", "6-9"], capture_output=True, text=True, timeout=60)

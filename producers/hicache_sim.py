@@ -1,0 +1,370 @@
+"""A deterministic simulation of one SGLang worker's HiCache (HiRadixCache).
+
+It models what routing depends on: which pages sit on device and on host, when each tier
+transition becomes visible (as SGLang KV events, in the order a reader must apply them), and
+what a request costs (queueing, load back, L3 fetch, recompute). Pure Python, no I/O, no
+randomness, no wall clock: time is whatever `now` the caller passes.
+
+The tree is a trie of pages keyed by SGLang's page digest (the digest already encodes the
+whole prefix, so one dict indexes every node). A node's host copy is absent, in flight
+(a device->host copy that readers cannot see yet; its host slot is already reserved) or ready.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.schemas.hashes import BlockHash, PageDigest, block_hash_of_digest, sglang_page_digests
+from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored, SglangEvent
+from kvtier.schemas.tiers import Tier
+
+GPU, HOST = "GPU", "CPU_PINNED"
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+_NONE, _PENDING, _READY = 0, 1, 2  # host copy state
+
+
+@dataclass
+class SimConfig:
+    page_size: int = 64
+    device_pages: int = 4096  # GPU KV pool, in pages
+    host_pages: int = 8192  # host (L2) pool, in pages; 0 = HiCache off
+    write_policy: str = "write_through"  # one of WRITE_POLICIES
+    selective_threshold: int = 2  # write_through_selective: hits before the host copy starts
+    dma_delay_s: float = 0.002  # a device->host copy lands this long after it starts
+    prefill_s_per_token: float = 0.0001
+    load_back_s_per_page: float = 0.00005  # host -> device
+    l3_s_per_page: float = 0.0002  # shared pool -> host
+    l3: bool = False  # write landed host copies to the shared pool and prefetch from it
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.device_pages < 0 or self.host_pages < 0:
+            raise ValueError("device_pages and host_pages must be >= 0")
+
+
+class SharedPool(Protocol):
+    def contains(self, digest: PageDigest) -> bool: ...
+
+    def put(self, digests: list[PageDigest]) -> None: ...
+
+
+class InMemorySharedPool:
+    """A bounded LRU set of page digests standing in for the cluster-wide Mooncake pool."""
+
+    def __init__(self, capacity_pages: int | None = None):
+        self.capacity_pages = capacity_pages
+        self._pages: OrderedDict[PageDigest, None] = OrderedDict()
+
+    def contains(self, digest: PageDigest) -> bool:
+        return digest in self._pages
+
+    def put(self, digests: list[PageDigest]) -> None:
+        for digest in digests:
+            self._pages[digest] = None
+            self._pages.move_to_end(digest)
+        if self.capacity_pages is not None:
+            while len(self._pages) > self.capacity_pages:
+                self._pages.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+
+@dataclass
+class ServeResult:
+    pages: int
+    device_hit_pages: int
+    host_hit_pages: int
+    l3_hit_pages: int
+    recomputed_pages: int
+    recomputed_tokens: int
+    queue_s: float
+    ttft_s: float
+
+
+class _Node:
+    __slots__ = ("digest", "hash", "parent", "children", "tokens", "on_device", "host",
+                 "hits", "last", "dma_seq", "alive")
+
+    def __init__(self, digest, parent, tokens, last):
+        self.digest = digest
+        self.hash = block_hash_of_digest(digest) if digest is not None else None
+        self.parent = parent
+        self.children: dict[PageDigest, _Node] = {}
+        self.tokens = tokens
+        self.on_device = False
+        self.host = _NONE
+        self.hits = 0
+        self.last = last  # (time, tick): the tick makes LRU order total, hence deterministic
+        self.dma_seq = -1
+        self.alive = True
+
+    def __lt__(self, other: _Node) -> bool:  # LRU heaps hold nodes directly
+        return self.last < other.last
+
+
+class HiCacheSim:
+    def __init__(self, config: SimConfig, shared_pool: SharedPool | None = None):
+        self.config = config
+        self.shared_pool = shared_pool
+        self._events: list[SglangEvent] = []
+        self._clear()
+
+    def _clear(self) -> None:
+        self._root = _Node(None, None, [], (float("-inf"), 0))
+        self._root.on_device = True  # so "parent on device" needs no special case at the root
+        self._nodes: dict[PageDigest, _Node] = {}
+        self._device_used = 0
+        self._host_used = 0  # ready copies plus in-flight ones (their slot is taken at copy start)
+        self._dma: list[tuple[float, int, _Node]] = []
+        self._tick = 0
+        self._now = 0.0
+        self._busy_until = 0.0
+
+    # --- public API -----------------------------------------------------------------------
+    def serve(self, token_ids: list[int], now: float) -> ServeResult:
+        self.advance(now)
+        cfg, ps = self.config, self.config.page_size
+        digests = sglang_page_digests(token_ids, ps)
+        n = len(digests)
+
+        # Match: device prefix, then host continuation, then the shared pool.
+        path: list[_Node] = []
+        node = self._root
+        for digest in digests:
+            child = node.children.get(digest)
+            if child is None or not child.on_device:
+                break
+            path.append(child)
+            node = child
+        d = len(path)
+        for digest in digests[d:]:
+            child = node.children.get(digest)
+            if child is None or child.host != _READY:
+                break
+            path.append(child)
+            node = child
+        h = len(path) - d
+        protected = set(path)  # never evict what this request is about to use
+
+        l = 0
+        if cfg.l3 and self.shared_pool is not None and cfg.host_pages > 0:
+            # A node already in the tree here is waiting for its own copy: stop rather than race it.
+            while (d + h + l < n and digests[d + h + l] not in self._nodes
+                   and self.shared_pool.contains(digests[d + h + l])):
+                l += 1
+            # SGLang prefetches into host memory before the request is scheduled.
+            l = self._make_host_room(l, protected)
+            for i in range(d + h, d + h + l):
+                child = self._new_node(digests[i], node, token_ids[i * ps:(i + 1) * ps], now)
+                child.host = _READY
+                self._host_used += 1
+                self._emit_stored(child, HOST)
+                path.append(child)
+                protected.add(child)
+                node = child
+
+        # Device placement for everything past the device prefix, as far as room allows.
+        self._make_device_room(n - d, protected)
+        avail = min(n - d, cfg.device_pages - self._device_used)
+        placed: list[_Node] = []
+        parent = path[d - 1] if d else self._root
+        for i in range(d, d + avail):
+            nd = path[i] if i < len(path) else self._nodes.get(digests[i])
+            if nd is None:
+                nd = self._new_node(digests[i], parent, token_ids[i * ps:(i + 1) * ps], now)
+            nd.on_device = True
+            self._device_used += 1
+            self._emit_stored(nd, GPU)
+            placed.append(nd)
+            parent = nd
+        host_hit = min(h, avail)
+        l3_hit = min(l, avail - host_hit)
+        reused = d + host_hit + l3_hit
+
+        for nd in path[:reused]:
+            nd.hits += 1
+        for nd in path + placed[len(path) - d:]:
+            nd.last = self._next_stamp(now)
+        self._start_backups([nd for nd in path[:d] + placed if self._wants_backup(nd)], protected)
+
+        recomputed_tokens = len(token_ids) - reused * ps
+        duration = (host_hit * cfg.load_back_s_per_page
+                    + l3_hit * (cfg.l3_s_per_page + cfg.load_back_s_per_page)
+                    + recomputed_tokens * cfg.prefill_s_per_token)
+        start = max(now, self._busy_until)
+        self._busy_until = start + duration
+        return ServeResult(pages=n, device_hit_pages=d, host_hit_pages=host_hit, l3_hit_pages=l3_hit,
+                           recomputed_pages=n - reused, recomputed_tokens=recomputed_tokens,
+                           queue_s=start - now, ttft_s=start - now + duration)
+
+    def advance(self, now: float) -> None:
+        self._now = max(self._now, now)
+        landed: list[PageDigest] = []
+        while self._dma and self._dma[0][0] <= now:
+            _, seq, nd = heapq.heappop(self._dma)
+            if nd.alive and nd.host == _PENDING and nd.dma_seq == seq:
+                nd.host = _READY
+                self._emit_stored(nd, HOST)
+                landed.append(nd.digest)
+        if landed and self.config.l3 and self.shared_pool is not None:
+            self.shared_pool.put(landed)
+
+    def drain_events(self) -> list[SglangEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def tiers(self) -> dict[BlockHash, set[Tier]]:
+        view: dict[BlockHash, set[Tier]] = {}
+        for nd in self._nodes.values():
+            tiers = ({Tier.DEVICE} if nd.on_device else set()) | ({Tier.HOST} if nd.host == _READY else set())
+            if tiers:  # an in-flight copy of an off-device page is invisible to readers
+                view[nd.hash] = tiers
+        return view
+
+    def reset(self) -> None:
+        self._clear()  # in-flight copies die with the worker's memory
+        self._events.append(AllBlocksCleared())
+
+    # --- tree and capacity ----------------------------------------------------------------
+    def _next_stamp(self, now: float) -> tuple[float, int]:
+        self._tick += 1
+        return (now, self._tick)
+
+    def _new_node(self, digest: PageDigest, parent: _Node, tokens: list[int], now: float) -> _Node:
+        nd = _Node(digest, parent, list(tokens), self._next_stamp(now))
+        parent.children[digest] = nd
+        self._nodes[digest] = nd
+        return nd
+
+    def _detach(self, nd: _Node) -> None:
+        del nd.parent.children[nd.digest]
+        del self._nodes[nd.digest]
+        nd.alive = False
+
+    def _device_evictable(self, nd: _Node, protected: set[_Node]) -> bool:
+        # A copy in flight reads the device pages, so SGLang keeps them locked until it lands.
+        return (nd.alive and nd.on_device and nd.host != _PENDING and nd not in protected
+                and not any(c.on_device for c in nd.children.values()))
+
+    def _host_evictable(self, nd: _Node, protected: set[_Node]) -> bool:
+        return nd.alive and nd.host == _READY and not nd.on_device and not nd.children and nd not in protected
+
+    def _lru(self, nodes: Iterable[_Node]) -> list[_Node]:
+        heap = list(nodes)
+        heapq.heapify(heap)
+        return heap
+
+    def _make_device_room(self, want: int, protected: set[_Node]) -> None:
+        need = want - (self.config.device_pages - self._device_used)
+        if need <= 0:
+            return
+        heap = self._lru(nd for nd in self._nodes.values() if self._device_evictable(nd, protected))
+        victims: list[_Node] = []
+        while len(victims) < need and heap:
+            nd = heapq.heappop(heap)
+            if not self._device_evictable(nd, protected):
+                continue
+            nd.on_device = False  # now its parent may be a device leaf
+            victims.append(nd)
+            if nd.parent is not self._root and self._device_evictable(nd.parent, protected):
+                heapq.heappush(heap, nd.parent)
+        self._device_used -= len(victims)
+
+        if self.config.write_policy == "write_back":
+            # Stage copies before the device removes (host evictions for room come first).
+            # Ancestors are staged first: a staged page under a dropped parent would be wasted.
+            unbacked = [v for v in reversed(victims) if v.host == _NONE]
+            room = self._make_host_room(len(unbacked), protected | set(victims))
+            for v in unbacked[:room]:
+                self._schedule_copy(v)
+        for v in victims:
+            self._emit(BlockRemoved(block_hashes=[v.hash], medium=GPU))
+        for v in reversed(victims):  # ancestors before descendants: one drop takes the subtree
+            if v.alive and v.host == _NONE:
+                self._drop_subtree(v)
+
+    def _drop_subtree(self, top: _Node) -> None:
+        """`top` has left device with no host copy: it and everything below it leave the tree."""
+        order: list[_Node] = []
+        stack = [top]
+        while stack:
+            nd = stack.pop()
+            order.append(nd)
+            stack.extend(nd.children.values())
+        for nd in reversed(order):  # leaves first, as SGLang deletes
+            if nd.host == _READY:
+                self._emit(BlockRemoved(block_hashes=[nd.hash], medium=HOST))
+            if nd.host != _NONE:  # an in-flight copy is simply abandoned: nobody saw it
+                self._host_used -= 1
+            if nd.on_device:  # cannot happen (device is prefix-closed), kept for safety
+                self._device_used -= 1
+                self._emit(BlockRemoved(block_hashes=[nd.hash], medium=GPU))
+            self._detach(nd)
+
+    def _make_host_room(self, want: int, protected: set[_Node]) -> int:
+        """Evict host-only LRU leaves until `want` slots are free; returns the slots available."""
+        cap = self.config.host_pages
+        need = want - (cap - self._host_used)
+        if need > 0:
+            heap = self._lru(nd for nd in self._nodes.values() if self._host_evictable(nd, protected))
+            while need > 0 and heap:
+                nd = heapq.heappop(heap)
+                if not self._host_evictable(nd, protected):
+                    continue
+                parent = nd.parent
+                self._emit(BlockRemoved(block_hashes=[nd.hash], medium=HOST))
+                self._host_used -= 1
+                self._detach(nd)
+                need -= 1
+                if parent is not self._root and self._host_evictable(parent, protected):
+                    heapq.heappush(heap, parent)
+        return max(0, min(want, cap - self._host_used))
+
+    # --- write policies -------------------------------------------------------------------
+    def _wants_backup(self, nd: _Node) -> bool:
+        cfg = self.config
+        if nd.host != _NONE or not nd.on_device or cfg.host_pages == 0 or cfg.write_policy == "write_back":
+            return False
+        threshold = 0 if cfg.write_policy == "write_through" else cfg.selective_threshold
+        return nd.hits >= threshold
+
+    def _start_backups(self, nodes: list[_Node], protected: set[_Node]) -> None:
+        if nodes:  # root-first order: a parent's copy is preferred when the host is short
+            for nd in nodes[:self._make_host_room(len(nodes), protected)]:
+                self._schedule_copy(nd)
+
+    def _schedule_copy(self, nd: _Node) -> None:
+        self._tick += 1
+        nd.host = _PENDING
+        nd.dma_seq = self._tick
+        self._host_used += 1
+        heapq.heappush(self._dma, (self._now + self.config.dma_delay_s, self._tick, nd))
+
+    # --- events ---------------------------------------------------------------------------
+    def _emit_stored(self, nd: _Node, medium: str) -> None:
+        parent = nd.parent.hash
+        last = self._events[-1] if self._events else None
+        # Merge only along the chain, so the merged event's parent_block_hash stays true.
+        if (isinstance(last, BlockStored) and last.medium == medium
+                and parent is not None and last.block_hashes[-1] == parent):
+            last.block_hashes.append(nd.hash)
+            last.token_ids.extend(nd.tokens)
+            return
+        self._events.append(BlockStored(block_hashes=[nd.hash], parent_block_hash=parent,
+                                        token_ids=list(nd.tokens), block_size=self.config.page_size,
+                                        medium=medium))
+
+    def _emit(self, event: BlockRemoved) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved) and last.medium == event.medium:
+            last.block_hashes.extend(event.block_hashes)
+        else:
+            self._events.append(event)

@@ -1,0 +1,186 @@
+"""`kvtier sim-worker`: simulated SGLang HiCache workers that speak SGLang's wire format.
+
+One process hosts `--ranks` simulated workers (like one SGLang server with attention-DP
+ranks): rank r publishes its KV events on a ZMQ PUB socket at `--port` + r, with a replay
+ROUTER socket at `--replay-port` + r, exactly as SGLang does, so `kvtier bridge --dp-size N`
+consumes them unchanged. Requests come over HTTP:
+
+  POST /w/<rank>/generate  {"input_ids": [...], "now": <sim seconds>?}
+        -> {"rank", "meta_info": {"prompt_tokens", "cached_tokens_details": {"device", "host",
+            "l3"}, "recomputed_tokens", "queue_s", "ttft_s"}}
+  POST /advance            {"now": <sim seconds>}  completes due device->host copies
+  GET  /w/<rank>/tiers     the rank's own view: [[page hash, [tiers...]], ...]
+  GET  /batch_query_keys?keys=k1,k2   the ranks' shared L3 pool, answered in the Mooncake
+        master's format (a stand-in where no real master runs; keys in SGLang's layout)
+  GET  /healthz
+
+Time is the caller's: `now` in seconds of simulated time (a trace's clock), so a replay is
+reproducible whatever the wall-clock speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, SimConfig
+from kvtier.producers.sglang_publisher import SglangEventPublisher
+from kvtier.schemas.hashes import PageDigest
+
+log = logging.getLogger("kvtier.sim")
+
+
+class GenerateBody(msgspec.Struct, frozen=True):
+    input_ids: list[int]
+    now: float | None = None
+
+
+class AdvanceBody(msgspec.Struct, frozen=True):
+    now: float
+
+
+@dataclass
+class SimWorkerConfig:
+    ranks: int
+    port: int  # PUB of rank r on port + r
+    replay_port: int  # replay ROUTER of rank r on replay_port + r
+    http_port: int
+    host: str = "127.0.0.1"
+    sim: SimConfig = None  # type: ignore[assignment]
+    l3_pages: int | None = None
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A base port such that base .. base+count-1 are all free right now."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        sockets = []
+        try:
+            for offset in range(count):
+                s = socket.socket()
+                s.bind((host, base + offset))
+                sockets.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports found on {host}")
+
+
+def _digest_of_key(key: str) -> PageDigest | None:
+    """The page digest inside an SGLang HiCache Mooncake key ("[prefix_]<64 hex>_...")."""
+    for part in key.split("_"):
+        if len(part) == 64:
+            try:
+                return PageDigest(bytes.fromhex(part))
+            except ValueError:
+                return None
+    return None
+
+
+class SimWorkers:
+    def __init__(self, config: SimWorkerConfig):
+        self.config = config
+        self.pool = InMemorySharedPool(config.l3_pages) if config.sim.l3 else None
+        self.sims = [HiCacheSim(config.sim, self.pool) for _ in range(config.ranks)]
+        self.publishers = [
+            SglangEventPublisher(f"tcp://{config.host}:{config.port + r}",
+                                 f"tcp://{config.host}:{config.replay_port + r}", attn_dp_rank=r)
+            for r in range(config.ranks)]
+        self._lock = asyncio.Lock()
+        self._now = 0.0
+
+    def _flush(self, rank: int) -> None:
+        events = self.sims[rank].drain_events()
+        if events:
+            self.publishers[rank].publish(events)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        rank = int(request.match_info["rank"])
+        if not 0 <= rank < len(self.sims):
+            raise web.HTTPNotFound(reason=f"no rank {rank}; this sim-worker has {len(self.sims)}")
+        try:
+            body = msgspec.json.decode(await request.read(), type=GenerateBody)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return web.json_response({"error": f"invalid body: {exc}"}, status=400)
+        async with self._lock:
+            now = body.now if body.now is not None else self._now
+            self._now = max(self._now, now)
+            result = self.sims[rank].serve(body.input_ids, now)
+            self._flush(rank)
+        page = self.config.sim.page_size
+        return web.json_response({"rank": rank, "meta_info": {
+            "prompt_tokens": len(body.input_ids),
+            "cached_tokens_details": {"device": result.device_hit_pages * page, "host": result.host_hit_pages * page,
+                                      "l3": result.l3_hit_pages * page},
+            "recomputed_tokens": result.recomputed_tokens, "queue_s": result.queue_s, "ttft_s": result.ttft_s}})
+
+    async def advance(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read(), type=AdvanceBody)
+        async with self._lock:
+            self._now = max(self._now, body.now)
+            for rank, sim in enumerate(self.sims):
+                sim.advance(self._now)
+                self._flush(rank)
+        return web.json_response({"now": self._now})
+
+    async def tiers(self, request: web.Request) -> web.Response:
+        rank = int(request.match_info["rank"])
+        view = self.sims[rank].tiers()
+        return web.json_response([[h, sorted(t.value for t in tiers)] for h, tiers in view.items()])
+
+    async def batch_query_keys(self, request: web.Request) -> web.Response:
+        raw = request.query.get("keys", "")
+        if not raw:
+            return web.json_response({"success": False, "error": "No keys provided. Use ?keys=key1,key2,..."},
+                                     status=400)
+        data = {}
+        for key in raw.split(","):
+            digest = _digest_of_key(key)
+            ok = bool(self.pool is not None and digest is not None and self.pool.contains(digest))
+            data[key] = {"ok": ok, "error": None if ok else "OBJECT_NOT_FOUND"}
+        return web.json_response({"success": True, "data": data})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ranks": len(self.sims), "now": self._now,
+                                  "l3_pages": len(self.pool) if self.pool is not None else None})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 << 20)
+        app.router.add_post("/w/{rank}/generate", self.generate)
+        app.router.add_get("/w/{rank}/tiers", self.tiers)
+        app.router.add_post("/advance", self.advance)
+        app.router.add_get("/batch_query_keys", self.batch_query_keys)
+        app.router.add_get("/healthz", self.healthz)
+        return app
+
+    def close(self) -> None:
+        for publisher in self.publishers:
+            publisher.close()
+
+
+async def run_sim_worker(config: SimWorkerConfig, stop: asyncio.Event) -> None:
+    workers = SimWorkers(config)
+    runner = web.AppRunner(workers.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True)
+    await site.start()
+    http_port = runner.addresses[0][1]
+    print(f"kvtier sim-worker: {config.ranks} ranks, KV events tcp://{config.host}:{config.port}+r, "
+          f"replay tcp://{config.host}:{config.replay_port}+r, HTTP http://{config.host}:{http_port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        workers.close()

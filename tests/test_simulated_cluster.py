@@ -1,0 +1,143 @@
+"""The simulated HiCache cluster end to end: `kvtier sim-worker` -> real `kvtier bridge` ->
+JetStream -> `kvtier processor` -> Redis holds exactly the simulator's own view; trace replay
+orders policies as the formula predicts; `kvtier demo` completes and writes its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.bench.replay import TraceRequest, block_tokens, infinite_cache_bound, load_trace, trace_tokens
+from kvtier.consumers.apply import read_worker_pages
+from kvtier.embedded import free_port
+from kvtier.producers.sim_worker import free_port_block
+
+from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
+from .router_helpers import http
+
+MODEL = "sim-model"
+
+
+def answers(url: str) -> bool:
+    try:
+        return http("GET", url, timeout=1)[0] == 200
+    except OSError:
+        return False
+
+
+def tiers_of(url: str, rank: int) -> dict[int, set[str]]:
+    status, body, _ = http("GET", f"{url}/w/{rank}/tiers")
+    assert status == 200
+    return {h: set(t) for h, t in body}
+
+
+def redis_view(client, worker: str) -> dict[int, set[str]]:
+    return {h: {t.value for t in tiers} for h, tiers in read_worker_pages(client, MODEL, worker).items()}
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_redis_reproduces_the_simulators_own_view(policy, nats_server, redis_server, redis_client):
+    ranks = 2
+    zmq_base, replay_base, http_port = free_port_block(ranks), free_port_block(ranks), free_port()
+    sim = KvtierProcess("sim-worker", "--ranks", str(ranks), "--port", str(zmq_base), "--replay-port",
+                        str(replay_base), "--http-port", str(http_port), "--page-size", "4", "--device-pages", "24",
+                        "--host-pages", "40", "--write-policy", policy, "--l3")
+    url = f"http://127.0.0.1:{http_port}"
+    bridge = KvtierProcess("bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
+                           f"tcp://127.0.0.1:{replay_base}", "--worker-id", "sim", "--model", MODEL, "--page-size",
+                           "4", "--dp-size", str(ranks), "--nats", nats_server.url)
+    processor = processor_process(nats_server.url, redis_server.url)
+    try:
+        wait_until(lambda: answers(url + "/healthz"), timeout=20, what=lambda: sim.output()[-2000:])
+        wait_until(lambda: all(worker_announced(redis_client, MODEL, f"sim-dp{r}") for r in range(ranks)), timeout=30)
+        # conversations that share prefixes, grow and get evicted: stores, copies, load_backs, evictions
+        now = 0.0
+        for turn in range(30):
+            for rank in range(ranks):
+                conversation = [hid for hid in range(turn % 5 + 1)]
+                tokens = [t for hid in conversation for t in block_tokens(hid + 100 * rank)[:16]]
+                tokens += list(range(turn * 8, turn * 8 + 5 + turn % 7))
+                now += 0.01
+                status, body, _ = http("POST", f"{url}/w/{rank}/generate", {"input_ids": tokens, "now": now})
+                assert status == 200, body
+        http("POST", url + "/advance", {"now": now + 1.0})  # every pending copy lands
+        for rank in range(ranks):
+            expected = tiers_of(url, rank)
+            assert expected and any("host" in t for t in expected.values())
+            wait_until(lambda: redis_view(redis_client, f"sim-dp{rank}") == expected, timeout=30,
+                       what=lambda: f"rank {rank}: Redis {len(redis_view(redis_client, f'sim-dp{rank}'))} pages, "
+                                    f"sim {len(expected)}")
+    finally:
+        stop_all(bridge, processor, sim)
+
+
+def test_trace_tokens_keep_prefix_sharing_and_lengths(tmp_path):
+    a = TraceRequest(timestamp=0, input_length=700, output_length=5, hash_ids=[7, 8])
+    b = TraceRequest(timestamp=1, input_length=1024, output_length=5, hash_ids=[7, 9])
+    ta, tb = trace_tokens(a), trace_tokens(b)
+    assert len(ta) == 700 and len(tb) == 1024
+    assert ta[:512] == tb[:512] and ta[512:] != tb[512:700]
+    assert trace_tokens(a) == ta  # deterministic
+    # b reuses a's first block: 8 pages of 64; everything else is recomputed
+    assert infinite_cache_bound([a, b], 64) == 700 + (1024 - 512)
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                          "output_length": r.output_length, "hash_ids": r.hash_ids}) for r in (a, b)))
+    assert load_trace(str(path)) == [a, b]
+    path.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ValueError, match="not a Mooncake trace record"):
+        load_trace(str(path))
+
+
+def crafted_trace(path) -> None:
+    """Four conversations, each revisited after others have pushed it out of device memory
+    (it stays on the host tier of the worker that served it)."""
+    lines, t, filler = [], 0, 10_000
+    for turn in range(4):
+        for conversation in range(4):
+            ids = [conversation * 100 + k for k in range(3 + turn)]
+            lines.append({"timestamp": t, "input_length": len(ids) * 512, "output_length": 20, "hash_ids": ids})
+            t += 400
+            for _ in range(2):  # unrelated requests that evict device pages
+                lines.append({"timestamp": t, "input_length": 3 * 512, "output_length": 20,
+                              "hash_ids": [filler, filler + 1, filler + 2]})
+                filler += 3
+                t += 400
+        # one more, so a turn is an odd number of requests and round robin cannot stay lucky
+        lines.append({"timestamp": t, "input_length": 512, "output_length": 20, "hash_ids": [filler]})
+        filler += 1
+        t += 400
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+
+
+def test_policies_order_as_the_formula_predicts(tmp_path):
+    trace = tmp_path / "crafted.jsonl"
+    crafted_trace(trace)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "bench", "replay", "--trace", str(trace), "--workers", "2",
+         "--page-size", "64", "--device-pages", "56", "--host-pages", "2048", "--time-scale", "4",
+         "--policies", "round_robin,device_only,tier_aware", "--no-l3", "--json"],
+        capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    p = report["policies"]
+    # the revisited prefix is only on one worker's host tier: tier-aware follows it there
+    assert p["tier_aware"]["hit_tokens"]["host"] > p["device_only"]["hit_tokens"]["host"], p
+    assert p["tier_aware"]["recomputed_tokens"] < p["device_only"]["recomputed_tokens"], p
+    assert p["tier_aware"]["recomputed_tokens"] < p["round_robin"]["recomputed_tokens"], p
+    assert p["tier_aware"]["ratio_to_bound"] >= 1.0
+
+
+def test_demo_completes_and_writes_its_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--requests", "40", "--workers", "2",
+                          "--time-scale", "40", "--out", str(tmp_path)], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["policies"]) == {"random", "round_robin", "least_load", "device_only", "tier_aware",
+                                       "tier_aware_shared"}
+    assert all(r["requests"] == 40 for r in report["policies"].values())
+    assert (tmp_path / "policies.png").stat().st_size > 10_000
+    assert "tier_aware_shared" in out.stdout and "infinite cache" in out.stdout
