@@ -174,7 +174,7 @@ async def run_sim_worker(config: SimWorkerConfig, stop: asyncio.Event) -> None:
     workers = SimWorkers(config)
     runner = web.AppRunner(workers.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True)
+    site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True, backlog=2048)
     await site.start()
     http_port = runner.addresses[0][1]
     print(f"kvtier sim-worker: {config.ranks} ranks, KV events tcp://{config.host}:{config.port}+r, "

@@ -235,7 +235,10 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
                 procs.append(_Proc(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}", *router_args],
                                    log_dir, f"{policy}-router{r}"))
                 routers.append(f"http://127.0.0.1:{port}")
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
+        # An overloaded machine makes requests late, not wrong (the simulated clock is the
+        # trace's), so waits are generous rather than failures.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=300, sock_read=300)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as session:
             await _wait_http(session, sim_url + "/healthz", procs)
             for url in routers:
                 await _wait_http(session, url + "/healthz", procs)
