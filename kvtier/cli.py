@@ -273,13 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="Replay a sample of the Mooncake conversation trace on a simulated HiCache "
                                     "cluster, once per routing policy, and compare them (embedded servers).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--requests", type=_positive_int, default=400, help="Requests of the sample trace to replay.")
+    d.add_argument("--requests", type=_positive_int, default=1000, help="Requests of the sample trace to replay.")
     d.add_argument("--trace", default="", help="Another trace in the same format (default: the shipped sample).")
     d.add_argument("--workers", type=_positive_int, default=4, help="Simulated workers.")
-    d.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")
-    d.add_argument("--device-pages", type=_positive_int, default=1024, help="GPU pool per worker, in pages.")
+    d.add_argument("--page-size", type=_positive_int, default=128, help="Tokens per KV page.")
+    d.add_argument("--device-pages", type=_positive_int, default=512, help="GPU pool per worker, in pages.")
     d.add_argument("--host-pages", type=_positive_int, default=4096, help="Host pool per worker, in pages.")
-    d.add_argument("--time-scale", type=_positive_float, default=12.0, help="Trace seconds per wall second.")
+    d.add_argument("--time-scale", type=_positive_float, default=20.0, help="Trace seconds per wall second.")
     d.add_argument("--out", default="kvtier-demo", help="Folder for report.json and policies.png.")
     d.add_argument("--seed", type=int, default=1)
     _add_common(d)

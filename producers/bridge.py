@@ -186,6 +186,11 @@ class RankBridge:
                 await self._forward(tail)
                 return
         await self._rebuild_epoch(EpochReason.BRIDGE_START, buffered, cursor)
+        if buffered == [] and self.sequencer.expected is None:
+            # The engine has published nothing yet, so its next batch is seq 0. Batches it sends
+            # before our subscription takes effect (ZMQ's slow joiner) then show up as a gap and
+            # are fetched from the replay socket instead of being silently missed.
+            self.sequencer.expect(0)
 
     async def _rebuild_epoch(self, reason: EpochReason, buffered: list[RawBatch] | None,
                              cursor: BridgeCursor | None = None) -> None:

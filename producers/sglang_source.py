@@ -128,6 +128,10 @@ class SourceSequencer:
         self.expected = None
         self._recent.clear()
 
+    def expect(self, seq: int) -> None:
+        """The next batch must be `seq` (e.g. 0 when the engine's replay buffer is empty)."""
+        self.expected = seq
+
     def seen(self, seq: int, ts: float | None) -> bool:
         return seq in self._recent and self._recent[seq] == ts
 

@@ -260,3 +260,15 @@ def test_nats_restart_mid_stream_loses_nothing(redis_server):
             assert state["stale"] == "0" and state["epochs"] == "1"
     finally:
         nats_server.cleanup()
+
+
+def test_batches_sent_before_the_bridge_subscribed_are_fetched_from_replay(nats_server, redis_server):
+    """The engine's first batches can go out before the bridge's SUB is live (ZMQ's slow
+    joiner): the bridge knows an engine starts at seq 0 and fetches them from replay."""
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+        workload, reference = HiCacheWorkload(seed=12), ReferenceModel()
+        run.publish(workload, reference, 3, deliver=False)  # as if sent before the subscription
+        run.publish(workload, reference, 5)
+        run.converge(reference)
+        assert "recovered from replay" in run.bridge.output()
+        assert run.state()["epochs"] == "1"
