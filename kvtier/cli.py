@@ -252,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Cost model: prefill compute per recomputed token.")
     w.add_argument("--l3", action="store_true", help="Write pages to a shared L3 pool and prefetch from it.")
     w.add_argument("--l3-pages", type=_positive_int, default=None, help="L3 pool capacity in pages (default: unbounded).")
+    w.add_argument("--mooncake-rpc", default="",
+                   help="With --l3: a real Mooncake master's RPC address (host:port) to write and find pages in.")
+    w.add_argument("--mooncake-metadata", default="",
+                   help="With --mooncake-rpc: the master's HTTP metadata URL (http://host:port/metadata).")
     _add_common(w)
 
     s = sub.add_parser("servers", help="Run embedded nats-server (JetStream) and Redis-protocol servers.",
@@ -454,8 +458,11 @@ def main(argv: list[str] | None = None) -> int:
             sim = SimConfig(page_size=args.page_size, device_pages=args.device_pages, host_pages=host_pages,
                             write_policy=args.write_policy, dma_delay_s=args.dma_delay_ms / 1000,
                             prefill_s_per_token=args.prefill_us_per_token / 1e6, l3=args.l3)
+            if args.mooncake_rpc and not (args.l3 and args.mooncake_metadata):
+                raise SystemExit("kvtier sim-worker: --mooncake-rpc needs --l3 and --mooncake-metadata")
             config = SimWorkerConfig(ranks=args.ranks, port=args.port, replay_port=args.replay_port,
-                                     http_port=args.http_port, host=args.host, sim=sim, l3_pages=args.l3_pages)
+                                     http_port=args.http_port, host=args.host, sim=sim, l3_pages=args.l3_pages,
+                                     mooncake_rpc=args.mooncake_rpc, mooncake_metadata=args.mooncake_metadata)
             _run_until_signal(lambda stop: run_sim_worker(config, stop))
         elif args.command == "servers":
             from kvtier.embedded import NatsServer, RedisServer

@@ -12,6 +12,10 @@ consumes them unchanged. Requests come over HTTP:
   GET  /w/<rank>/tiers     the rank's own view: [[page hash, [tiers...]], ...]
   GET  /batch_query_keys?keys=k1,k2   the ranks' shared L3 pool, answered in the Mooncake
         master's format (a stand-in where no real master runs; keys in SGLang's layout)
+
+With `--l3 --mooncake-rpc HOST:PORT --mooncake-metadata URL` the L3 pool is a real Mooncake
+store instead: pages are written and looked up as SGLang HiCache's Mooncake backend names them,
+and a router asks the master itself.
   GET  /healthz
 
 Time is the caller's: `now` in seconds of simulated time (a trace's clock), so a replay is
@@ -53,6 +57,8 @@ class SimWorkerConfig:
     host: str = "127.0.0.1"
     sim: SimConfig = None  # type: ignore[assignment]
     l3_pages: int | None = None
+    mooncake_rpc: str = ""  # with l3: a real Mooncake master (host:port) instead of the in-memory pool
+    mooncake_metadata: str = ""
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -89,10 +95,49 @@ def _digest_of_key(key: str) -> PageDigest | None:
     return None
 
 
+class MooncakeStorePool:
+    """The ranks' L3 in a real Mooncake store: every page is written as the objects SGLang
+    HiCache's Mooncake backend writes (MHA, TP 1: "<digest hex>_0_k" and "_0_v"), and a page
+    is in the pool only if all of them exist there."""
+
+    def __init__(self, rpc_address: str, metadata_url: str):
+        from kvtier.mooncake import SharedPoolWriter
+        from kvtier.schemas.worker import MooncakeLayout
+
+        self.layout = MooncakeLayout()
+        self.writer = SharedPoolWriter(rpc_address, metadata_url)
+        self._written = 0
+
+    def _keys(self, digest: PageDigest) -> list[str]:
+        from kvtier.router.hashing import mooncake_object_keys
+
+        return mooncake_object_keys(digest, self.layout)
+
+    def put(self, digests: list[PageDigest]) -> None:
+        keys = [k for d in digests for k in self._keys(d)]
+        if keys:
+            self.writer.put_many(keys, b"\0" * 64)
+            self._written += len(digests)
+
+    def contains(self, digest: PageDigest) -> bool:
+        return all(self.writer.exists(self._keys(digest)))
+
+    def __len__(self) -> int:
+        return self._written  # pages written by these ranks (the master may have evicted some)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class SimWorkers:
     def __init__(self, config: SimWorkerConfig):
         self.config = config
-        self.pool = InMemorySharedPool(config.l3_pages) if config.sim.l3 else None
+        if not config.sim.l3:
+            self.pool = None
+        elif config.mooncake_rpc:
+            self.pool = MooncakeStorePool(config.mooncake_rpc, config.mooncake_metadata)
+        else:
+            self.pool = InMemorySharedPool(config.l3_pages)
         self.sims = [HiCacheSim(config.sim, self.pool) for _ in range(config.ranks)]
         self.publishers = [
             SglangEventPublisher(f"tcp://{config.host}:{config.port + r}",
@@ -168,6 +213,8 @@ class SimWorkers:
     def close(self) -> None:
         for publisher in self.publishers:
             publisher.close()
+        if isinstance(self.pool, MooncakeStorePool):
+            self.pool.close()
 
 
 async def run_sim_worker(config: SimWorkerConfig, stop: asyncio.Event) -> None:
