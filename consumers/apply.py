@@ -18,7 +18,7 @@ import msgspec
 import redis
 
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
-from kvtier.schemas.hashes import BlockHash, PageKey, block_hash_from_page_key, page_key, page_keys_blob
+from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, page_member, split_member
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 

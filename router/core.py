@@ -19,6 +19,8 @@ import logging
 import random
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis.exceptions
@@ -215,7 +217,7 @@ class Router:
 
         inputs = [scoring.CandidateInputs(v.worker_id, self._with_shared(v, directory, shared, model),
                                           v.prefill_load, v.decode_load) for v in fresh]
-        primary_size = _primary_page_size(fresh)
+        primary_size = _most_common_page_size(v.page_size for v in fresh)
         n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
         decode_pages = -(-(len(request.token_ids) + request.max_new_tokens) // primary_size)
         # Workers of one model share a page size in practice; with mixed sizes the request's
@@ -324,7 +326,7 @@ class Router:
         workers = sorted(directory.workers)
         worker_id = self._fallback.choose(workers)
         self._fallback.in_flight[request_id] = worker_id
-        page_size = _primary_page_size_of(directory)
+        page_size = _most_common_page_size(meta.page_size for meta in directory.workers.values())
         n_pages = len(request.token_ids) // page_size
         candidates = [CandidateScore(worker_id=w, logit=0.0, overlap=TierOverlap(), prefill_load=0, decode_load=0,
                                      page_size=directory.workers[w].page_size) for w in workers]
@@ -366,16 +368,7 @@ class Router:
             self._state_failed(exc)
 
 
-def _primary_page_size(views: list[WorkerView]) -> int:
-    sizes: dict[int, int] = {}
-    for v in views:
-        if v.page_size > 0:
-            sizes[v.page_size] = sizes.get(v.page_size, 0) + 1
-    return max(sorted(sizes), key=lambda s: sizes[s]) if sizes else 1
-
-
-def _primary_page_size_of(directory: ModelDirectory) -> int:
-    sizes: dict[int, int] = {}
-    for meta in directory.workers.values():
-        sizes[meta.page_size] = sizes.get(meta.page_size, 0) + 1
-    return max(sorted(sizes), key=lambda s: sizes[s]) if sizes else 1
+def _most_common_page_size(sizes: Iterable[int]) -> int:
+    """The page size most workers use (the smallest among equals); 1 when none is known."""
+    counts = Counter(size for size in sizes if size > 0)
+    return max(sorted(counts), key=lambda size: counts[size]) if counts else 1

@@ -16,7 +16,7 @@ class Tier(str, enum.Enum):
         return TIER_BITS[self]
 
 
-#: Redis stores a page's tiers on a worker as a bit set; routers read it without decoding.
+#: Each tier's bit; as one hex digit it tags a page's member in its worker's pages set (state_keys.py).
 TIER_BITS: dict[Tier, int] = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4, Tier.EXTERNAL: 8}
 ALL_TIER_BITS = 15
 

@@ -87,6 +87,14 @@ def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, 
         return exc.code, payload, dict(exc.headers)
 
 
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 right now (a refused connection is a no, not an error)."""
+    try:
+        return http("GET", url, timeout=1)[0] == 200
+    except OSError:
+        return False
+
+
 class RouterProcess(KvtierProcess):
     """`kvtier router` on a free port, started and stopped by PID."""
 
@@ -104,10 +112,7 @@ class RouterProcess(KvtierProcess):
     def _up(self) -> bool:
         if not self.alive():
             raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-        try:
-            return http("GET", self.url + "/healthz", timeout=1)[0] == 200
-        except OSError:
-            return False
+        return answers(self.url + "/healthz")
 
     def route(self, model: str, token_ids: list[int], **extra) -> tuple[int, dict, dict]:
         return http("POST", self.url + "/v1/route", {"model": model, "token_ids": token_ids, **extra})

@@ -13,7 +13,7 @@ from kvtier.embedded import free_port
 from kvtier.schemas.state_keys import ModelKeys
 
 from .helpers import stop_all, wait_until
-from .router_helpers import RouterProcess, StateSeeder, http, request_tokens
+from .router_helpers import RouterProcess, StateSeeder, answers, http, request_tokens
 
 MODEL = "proxied"
 
@@ -24,13 +24,7 @@ class EngineProcess:
         args = [sys.executable, "-m", "tests.fake_engine", str(self.port)] + ([hold_file] if hold_file else [])
         self.proc = subprocess.Popen(args, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_until(self._up, timeout=20, what="fake engine to answer")
-
-    def _up(self) -> bool:
-        try:
-            return http("GET", self.url + "/seen", timeout=1)[0] == 200
-        except OSError:
-            return False
+        wait_until(lambda: answers(self.url + "/seen"), timeout=20, what="fake engine to answer")
 
     def seen(self) -> list[dict]:
         return http("GET", self.url + "/seen")[1]

@@ -16,16 +16,9 @@ from kvtier.embedded import free_port
 from kvtier.producers.sim_worker import free_port_block
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
-from .router_helpers import http
+from .router_helpers import answers, http
 
 MODEL = "sim-model"
-
-
-def answers(url: str) -> bool:
-    try:
-        return http("GET", url, timeout=1)[0] == 200
-    except OSError:
-        return False
 
 
 def tiers_of(url: str, rank: int) -> dict[int, set[str]]:

@@ -21,16 +21,16 @@ import array
 import asyncio
 import hashlib
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import msgspec
+
+from kvtier.bench.processes import KvtierSubprocess
 
 TRACE_BLOCK_TOKENS = 512
 POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared")
@@ -145,36 +145,7 @@ class PolicyResult:
         }
 
 
-class _Proc:
-    """A kvtier subcommand in its own process, output to a log file, stopped by PID."""
-
-    def __init__(self, args: list[str], log_dir: str, name: str):
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.name = name
-
-    def tail(self, n: int = 2000) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-n:]
-
-    def check(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-
-
-async def _wait_http(session, url: str, procs: list[_Proc], timeout: float = 30.0) -> None:
+async def _wait_http(session, url: str, procs: list[KvtierSubprocess], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         for p in procs:
@@ -204,7 +175,7 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
     zmq_base = free_port_block(shape.workers)
     replay_base = free_port_block(shape.workers)
     sim_http = free_port()
-    procs: list[_Proc] = []
+    procs: list[KvtierSubprocess] = []
     result = PolicyResult(policy)
     rng = random.Random(seed)
     try:
@@ -215,11 +186,11 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
                     "--log-level", "WARNING"]
         if shape.l3:
             sim_args += ["--l3", "--l3-pages", str(shape.l3_pages or shape.workers * shape.host_pages)]
-        procs.append(_Proc(sim_args, log_dir, f"{policy}-sim-worker"))
+        procs.append(KvtierSubprocess(sim_args, log_dir, f"{policy}-sim-worker"))
         sim_url = f"http://127.0.0.1:{sim_http}"
         routers: list[str] = []
         if policy in ROUTED:
-            procs.append(_Proc(["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
+            procs.append(KvtierSubprocess(["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
                                 f"tcp://127.0.0.1:{replay_base}", "--worker-id", "sim", "--model", model,
                                 "--page-size", str(shape.page_size), "--dp-size", str(shape.workers), "--nats",
                                 nats_url, "--hicache-storage-backend", "mooncake", "--heartbeat", "1",
@@ -232,7 +203,7 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
                                 "--shared-cache-timeout-ms", "200"]
             for r in range(2):
                 port = free_port()
-                procs.append(_Proc(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}", *router_args],
+                procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}", *router_args],
                                    log_dir, f"{policy}-router{r}"))
                 routers.append(f"http://127.0.0.1:{port}")
         # An overloaded machine makes requests late, not wrong (the simulated clock is the
@@ -264,7 +235,6 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
     t0 = requests[0].timestamp / 1000.0
     loop = asyncio.get_running_loop()
     wall0 = loop.time()
-    turn = 0
     done = 0
     pending: set[asyncio.Task] = set()
     stop_ticker = asyncio.Event()
@@ -292,7 +262,7 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
             pass
 
     async def one(index: int, request: TraceRequest, arrival: float):
-        nonlocal turn, done
+        nonlocal done
         tokens = trace_tokens(request)
         started = time.perf_counter()
         router = None
@@ -411,7 +381,7 @@ def run_stack_and_replay(requests, shape, time_scale, policies, seed, progress=N
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvtier-replay-")
     with NatsServer() as nats_server, RedisServer() as redis_server:
-        processor = _Proc(["processor", "--nats", nats_server.url, "--redis", redis_server.url, "--partitions",
+        processor = KvtierSubprocess(["processor", "--nats", nats_server.url, "--redis", redis_server.url, "--partitions",
                            "auto", "--log-level", "WARNING"], log_dir, "processor")
         try:
             import uvloop

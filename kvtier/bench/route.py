@@ -246,17 +246,15 @@ def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], ar
 
 def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
     """Decisions/s through a `kvtier router` process over loopback HTTP (booked, then released)."""
-    import os
-    import signal
-    import subprocess
+    import tempfile
     import urllib.request
 
+    from kvtier.bench.processes import KvtierSubprocess
     from kvtier.embedded import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--redis", redis_url,
-                             "--http-port", str(port), "--log-level", "WARNING"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = KvtierSubprocess(["router", "--redis", redis_url, "--http-port", str(port), "--log-level", "WARNING"],
+                            tempfile.mkdtemp(prefix="kvtier-bench-route-"), "router")
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
@@ -265,8 +263,8 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
                 urllib.request.urlopen(base + "/healthz", timeout=1).read()
                 break
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"router did not start: {proc.stderr.read().decode()[-2000:]}")
+                if proc.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"router did not start: {proc.tail()}")
                 time.sleep(0.1)
 
         async def load():
@@ -302,12 +300,7 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
               "(route + release each)", file=sys.stderr)
         return result
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.stop()
 
 
 def _print_table(results: dict) -> None:

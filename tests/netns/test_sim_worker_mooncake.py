@@ -11,7 +11,7 @@ from kvtier.router.hashing import RequestPages, mooncake_object_keys
 from kvtier.schemas.worker import MooncakeLayout
 
 from ..helpers import KvtierProcess, stop_all, wait_until
-from ..router_helpers import http, request_tokens
+from ..router_helpers import answers, http, request_tokens
 
 
 def test_ranks_share_pages_through_a_real_mooncake_store(mooncake_master):
@@ -22,14 +22,8 @@ def test_ranks_share_pages_through_a_real_mooncake_store(mooncake_master):
                         mooncake_master.rpc_address, "--mooncake-metadata", mooncake_master.metadata_url)
     url = f"http://127.0.0.1:{http_port}"
 
-    def up() -> bool:
-        try:
-            return http("GET", url + "/healthz", timeout=1)[0] == 200
-        except OSError:
-            return False
-
     try:
-        wait_until(up, timeout=30, what=lambda: sim.output()[-2000:])
+        wait_until(lambda: answers(url + "/healthz"), timeout=30, what=lambda: sim.output()[-2000:])
         tokens = request_tokens(6, 4, seed=21)
         status, first, _ = http("POST", url + "/w/0/generate", {"input_ids": tokens, "now": 0.0})
         assert status == 200 and first["meta_info"]["recomputed_tokens"] == 24, first
