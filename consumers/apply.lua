@@ -47,6 +47,7 @@ else
 end
 
 local transitions = 0
+local stored_bits = 0  -- OR of the tiers stored in this batch, for 'tiers_seen'
 local count_delta = {}  -- tier bit -> change in its page count, written once per batch
 local i = 9
 while i <= #ARGV do
@@ -57,6 +58,7 @@ while i <= #ARGV do
     count_delta = {}  -- what came before the clear is gone with it
   else
     local command = kind == 'S' and 'SADD' or 'SREM'
+    if kind == 'S' then stored_bits = bit.bor(stored_bits, tonumber(tbit)) end
     local n = #blob / 16
     transitions = transitions + n
     local changed = 0
@@ -74,6 +76,13 @@ end
 
 for tbit, delta in pairs(count_delta) do
   if delta ~= 0 then redis.call('HINCRBY', state, 'n' .. tbit, delta) end
+end
+if stored_bits ~= 0 then
+  -- Every tier the worker ever stored on (kept across epochs): `kvtier doctor` tells from it
+  -- whether an engine with HiCache on ever reported a host tier.
+  local seen = tonumber(redis.call('HGET', state, 'tiers_seen') or 0)
+  local both = bit.bor(seen, stored_bits)
+  if both ~= seen then redis.call('HSET', state, 'tiers_seen', both) end
 end
 redis.call('HSET', state, 'epoch', epoch, 'seq', seq, 'applied_ms', now, 'source_ts', ARGV[8])
 redis.call('PERSIST', state)

@@ -27,9 +27,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import PullStream
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
+from kvtier.schemas.health import decode_hash_check, encode_hash_check
+from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, dlq_subject, partition_filter, subject_token
 from kvtier.streams import StreamSettings, connect_nats, ensure_streams
 
@@ -49,6 +52,11 @@ EXPIRED = Counter("kvtier_processor_expired_workers_total", "Workers cleared aft
 RESYNCS = Counter("kvtier_processor_resync_requests_total", "Resync requests sent to bridges")
 STALE_WORKERS = Gauge("kvtier_processor_stale_workers", "Workers whose state is marked stale")
 PENDING = Gauge("kvtier_processor_consumer_pending", "Messages not yet delivered", ["partition"])
+HASH_PAGES = Counter("kvtier_processor_hash_checked_pages_total",
+                     "Stored pages whose hash was recomputed from their tokens, by outcome", ["outcome"])
+HASH_MISMATCHES = Counter("kvtier_processor_hash_mismatch_pages_total",
+                          "Stored pages whose published hash is not SGLang's chain over their tokens",
+                          ["model", "worker", "kind"])
 LAG = Histogram("kvtier_processor_event_lag_seconds", "Engine emit -> visible in Redis",
                 buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
@@ -68,6 +76,10 @@ class ProcessorConfig:
     partitions_explicit: bool = False
     auto_partitions: bool = False  # claim a fair share of partitions through Redis leases
     partition_lease_s: float = 5.0
+    #: Recompute SGLang's page hash of stored pages from their tokens (schemas/health.py).
+    hash_check: bool = True
+    #: At most this many pages recomputed per second (0: no limit).
+    hash_check_budget: float = DEFAULT_BUDGET_PAGES_PER_S
 
 
 def _redact(url: str) -> str:
@@ -88,6 +100,10 @@ class Processor:
         self.partitions: list[int] = []
         self._ahead_since: dict[tuple[str, str], float] = {}
         self._last_resync: dict[tuple[str, str], float] = {}
+        self.hash_validator = (HashValidator(budget_pages_per_s=config.hash_check_budget or None)
+                               if config.hash_check else None)
+        #: Announced page size per (model, worker); 0 when Redis had none when asked.
+        self._page_sizes: dict[tuple[str, str], int] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         if not await self._wait_for_redis(stop):
@@ -118,6 +134,8 @@ class Processor:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     raise result
         finally:
+            with contextlib.suppress(redis.RedisError):
+                await self._persist_hash_checks()
             # close, not drain: draining pull subscriptions can wait forever in nats-py, and
             # every message we acked is already applied; unacked ones are redelivered.
             await self.nc.close()
@@ -280,6 +298,7 @@ class Processor:
 
     async def _announce(self, msg, announce: WorkerAnnounce) -> None:
         stale = await asyncio.to_thread(self.writer.announce, announce)
+        self._page_sizes[(announce.metadata.model, announce.metadata.worker_id)] = announce.metadata.page_size
         ANNOUNCES.inc()
         if stale:
             await self._request_resync(announce.metadata.model, announce.metadata.worker_id, "state is stale")
@@ -304,11 +323,52 @@ class Processor:
                 APPLIED_BATCHES.inc()
                 APPLIED_TRANSITIONS.inc(result.transitions)
                 LAG.observe(max(0.0, now - batch.source_ts))
+                if self.hash_validator is not None:
+                    await self._check_hashes(batch)
                 if result.stale:
                     await self._request_resync(batch.model, batch.worker_id, "state is stale")
             else:
                 SKIPPED.labels("duplicate" if result.status == ApplyStatus.DUPLICATE else "old_epoch").inc()
             await msg.ack()
+
+    async def _check_hashes(self, batch: EventBatch) -> None:
+        key = (batch.model, batch.worker_id)
+        keys = ModelKeys.for_model(batch.model)
+        if not self.hash_validator.knows(*key):
+            recorded = await self.redis_async.hget(keys.hash_check, batch.worker_id)
+            if recorded:
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    self.hash_validator.seed(batch.model, decode_hash_check(recorded))
+        if key not in self._page_sizes:
+            announced = await self.redis_async.hget(keys.page_sizes, batch.worker_id)
+            self._page_sizes[key] = int(announced) if announced else 0
+        outcome = self.hash_validator.check_batch(batch, self._page_sizes[key] or None, time.monotonic())
+        if outcome.matched:
+            HASH_PAGES.labels("matched").inc(outcome.matched)
+        for label, pages in (("unverifiable", outcome.unverifiable), ("skipped", outcome.skipped),
+                             ("known", outcome.known)):
+            if pages:
+                HASH_PAGES.labels(label).inc(pages)
+        for kind, pages in outcome.mismatched.items():
+            HASH_PAGES.labels("mismatched").inc(pages)
+            HASH_MISMATCHES.labels(batch.model, batch.worker_id, kind.value).inc(pages)
+        for mismatch in outcome.to_report:
+            log.error("%s/%s: page hashes do not match (%s): %s", mismatch.model, mismatch.worker_id,
+                      mismatch.kind.value, mismatch.explanation)
+
+    async def _persist_hash_checks(self) -> None:
+        if self.hash_validator is None:
+            return
+        changed = self.hash_validator.drain_changed()
+        if changed:
+            pipe = self.redis_async.pipeline(transaction=False)
+            for model, check in changed:
+                pipe.hset(ModelKeys.for_model(model).hash_check, check.worker_id, encode_hash_check(check))
+            try:
+                await pipe.execute()
+            except redis.RedisError:
+                self.hash_validator.mark_changed(changed)  # written at the next sweep
+                raise
 
     async def _hold_back(self, msg, key: tuple[str, str], now: float) -> bool:
         """True if the batch is held back to wait for the missing ones."""
@@ -364,6 +424,7 @@ class Processor:
                     EXPIRED.inc()
                     log.warning("%s/%s: lease expired; removed its %d pages", model, worker, pages)
                 STALE_WORKERS.set(await asyncio.to_thread(self.writer.count_stale_workers))
+                await self._persist_hash_checks()
                 for partition in self.partitions:
                     info = await self.js.consumer_info(EVENTS_STREAM, f"{self.cfg.durable_prefix}-p{partition}")
                     PENDING.labels(str(partition)).set(info.num_pending)

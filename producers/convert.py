@@ -43,12 +43,21 @@ def _convert_event(event, keep_token_ids: bool) -> TierEvent:
             page_size=event.block_size,
             token_ids=pack_token_ids(event.token_ids if keep_token_ids else []),
             lora_id=event.lora_id,
+            namespace=_namespace(event),
         )
     if isinstance(event, BlockRemoved):
         return PagesRemoved(tier=tier_of_medium(event.medium), hashes=event.block_hashes)
     if isinstance(event, AllBlocksCleared):
         return AllCleared()
     raise ValueError(f"unsupported event type {type(event).__name__}")
+
+
+def _namespace(event: BlockStored) -> str | None:
+    if event.lora_name:
+        return f"lora:{event.lora_name}"
+    if event.cache_salt is not None:
+        return "cache_salt"
+    return None
 
 
 __all__ = ["Converted", "convert_batch", "UnknownMedium"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import redis.exceptions
 
+from kvtier.schemas.health import HashCheck
 from kvtier.schemas.routing import (
     CandidateScore,
     ReleaseResponse,
@@ -43,13 +44,15 @@ from .booking import AlreadyBooked, LoadBook
 from .hashing import RequestPages
 from .metrics import RouterMetrics
 from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
-from .state import ModelDirectory, OverlapReader, WorkerDirectory, WorkerStatus, WorkerView
+from .state import ModelDirectory, OverlapReader, WorkerDirectory, WorkerStatus, WorkerView, read_hash_mismatches
 
 log = logging.getLogger("kvtier.router")
 
 DEGRADED_STATE_STORE = "state-store-unavailable"
 DEGRADED_SHARED_POOL = "shared-pool-unavailable"
 DEGRADED_ONLY_STALE = "only-stale-workers"
+#: How often housekeeping re-reads the processors' hash checks (seconds).
+HASH_CHECK_REFRESH_S = 5.0
 
 
 class RoutingError(Exception):
@@ -120,6 +123,8 @@ class Router:
         self.last_state_error = ""
         self.last_shared_pool_error = ""
         self.models_seen: set[str] = set()
+        self.hash_mismatches: list[tuple[str, HashCheck]] = []
+        self._hash_checks_read_at = -1e9
 
     # --- state-store health ------------------------------------------------------------
     def _state_available(self) -> bool:
@@ -363,9 +368,26 @@ class Router:
             for model in list(self.models_seen):
                 await self.directory.get(model, refresh=True)
                 await self.book.sweep(model)
+            if time.monotonic() - self._hash_checks_read_at >= HASH_CHECK_REFRESH_S:
+                await self.refresh_hash_mismatches()
             self._state_ok()
         except Exception as exc:  # noqa: BLE001 - any Redis failure degrades the same way
             self._state_failed(exc)
+
+    async def refresh_hash_mismatches(self) -> list[tuple[str, HashCheck]]:
+        """Re-read the processors' hash checks; workers that fail them are in /healthz and
+        `router_worker_hash_mismatch_pages`."""
+        found = await read_hash_mismatches(self.redis)
+        self._hash_checks_read_at = time.monotonic()
+        gauge = self.metrics.worker_hash_mismatch
+        gauge.clear()
+        for model, check in found:
+            gauge.labels(model, check.worker_id).set(check.mismatched)
+            if all((model, check.worker_id) != (m, c.worker_id) for m, c in self.hash_mismatches):
+                log.error("worker %s/%s publishes page hashes routers cannot match (%d of %d checked pages): %s",
+                          model, check.worker_id, check.mismatched, check.checked, check.explanation)
+        self.hash_mismatches = found
+        return found
 
 
 def _most_common_page_size(sizes: Iterable[int]) -> int:

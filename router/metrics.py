@@ -51,4 +51,8 @@ class RouterMetrics:
         self.state_store_up = Gauge("router_state_store_up", "1 while the last Redis call succeeded", registry=r)
         self.proxy_requests = Counter("router_proxy_requests", "Proxied /generate requests by outcome",
                                       ["outcome"], registry=r)
+        self.worker_hash_mismatch = Gauge(
+            "router_worker_hash_mismatch_pages",
+            "Stored pages whose published hash is not SGLang's chain over their tokens (the router can never "
+            "match them), per worker, as recorded by the processors", ["model", "worker"], registry=r)
         self.state_store_up.set(1)

@@ -158,13 +158,28 @@ class RouterService:
             state_ok, state_error = False, f"{type(exc).__name__}: {exc}"
         shared = {"enabled": router.settings.shared_cache and router.shared_pool is not None,
                   "last_error": router.last_shared_pool_error}
+        mismatches = router.hash_mismatches
+        if state_ok:
+            try:
+                mismatches = await asyncio.wait_for(router.refresh_hash_mismatches(), 0.5)
+            except Exception as exc:  # noqa: BLE001 - health reports, it does not fail
+                log.warning("reading hash checks failed: %s", exc)
+        hash_scheme = {
+            "ok": not mismatches,
+            "mismatched_workers": [
+                {"model": model, "worker_id": check.worker_id, "mismatched_pages": check.mismatched,
+                 "checked_pages": check.checked, "kinds": check.mismatch_kinds, "explanation": check.explanation}
+                for model, check in mismatches],
+        }
         decision_log = router.decision_log
         body = {
-            "status": "ok" if state_ok and not shared["last_error"] else "degraded",
+            "status": "ok" if state_ok and not shared["last_error"] and hash_scheme["ok"] else "degraded",
             "router_id": router.router_id,
             "routing": "tier-aware" if state_ok else "load/round-robin (state store unavailable)",
             "state_store": {"ok": state_ok, "error": state_error or router.last_state_error},
             "shared_pool": shared,
+            "hash_scheme": hash_scheme,
+            "page_size": router.settings.router_page_size,
             "decision_log": {"enabled": decision_log is not None,
                              "connected": bool(decision_log is not None and decision_log.connected)},
             "models": sorted(router.models_seen),

@@ -14,8 +14,9 @@ from typing import Mapping
 import msgspec
 
 from kvtier.consumers.apply import as_text
+from kvtier.schemas.health import HashCheck, decode_hash_check
 from kvtier.schemas.routing import TierOverlap
-from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys
 from kvtier.schemas.worker import WorkerMetadata
 
 from .hashing import RequestPages
@@ -50,13 +51,15 @@ class WorkerView:
 
 
 class OverlapReader:
-    def __init__(self, client):
-        """`client`: a redis.asyncio client."""
+    def __init__(self, client, root: str = DEFAULT_ROOT):
+        """`client`: a redis.asyncio client. `root`: the key root to read (live state; `kvtier
+        replay explain` reads a rebuilt state under a scratch root)."""
         self._script = client.register_script(load_script("read_overlap.lua"))
+        self._root = root
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],
                    now_ms: int | None = None) -> list[WorkerView]:
-        keys = ModelKeys.for_model(model)
+        keys = ModelKeys.for_model(model, self._root)
         args: list[str | int] = [keys.base, now_ms if now_ms is not None else int(time.time() * 1000), FIRST_CHUNK]
         for size, pages in pages_by_size.items():
             args += (size, pages.keys_blob)
@@ -114,3 +117,25 @@ class WorkerDirectory:
 
     def cached(self, model: str) -> ModelDirectory | None:
         return self._models.get(model)
+
+
+async def read_hash_mismatches(client) -> list[tuple[str, HashCheck]]:
+    """(model token, check) for every worker whose published page hashes failed the
+    processor's check (schemas/health.py), across all models."""
+    tokens = sorted(as_text(m) for m in await client.smembers(MODELS_KEY))
+    if not tokens:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for token in tokens:
+        pipe.hgetall(ModelKeys(token).hash_check)
+    found: list[tuple[str, HashCheck]] = []
+    for token, checks in zip(tokens, await pipe.execute()):
+        for worker, raw in sorted(checks.items()):
+            try:
+                check = decode_hash_check(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("unreadable hash check for %s/%s", token, as_text(worker))
+                continue
+            if not check.ok:
+                found.append((token, check))
+    return found

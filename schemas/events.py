@@ -61,6 +61,9 @@ class PagesStored(msgspec.Struct, tag="stored", array_like=True):
     #: on the hot path; `token_ids_of()` decodes them when wanted.
     token_ids: msgspec.Raw = EMPTY_TOKENS
     lora_id: Union[int, None] = None
+    #: Set when the engine namespaced these hashes (SGLang's cache salt or LoRA adapter name:
+    #: "cache_salt", "lora:<name>"): the hash check then explains a mismatch by it.
+    namespace: Union[str, None] = None
 
 
 class PagesRemoved(msgspec.Struct, tag="removed", array_like=True):

@@ -31,6 +31,11 @@ class BlockStored(_MapEvent, tag="BlockStored"):
     block_size: int
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
+    #: Since 0.5.23 (map encoding only): the request's cache salt and the LoRA adapter name.
+    #: When either is set, SGLang namespaces the published hashes (sha256 of a seed and the
+    #: plain hash), so they are opaque ids a router cannot compute from tokens alone.
+    cache_salt: Union[str, None] = None
+    lora_name: Union[str, None] = None
 
 
 class BlockRemoved(_MapEvent, tag="BlockRemoved"):
@@ -46,16 +51,27 @@ SglangEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 # --- array encoding (<= 0.5.19): ["BlockStored", hashes, parent, tokens, size, lora, medium]
-# Same fields, same tags, laid out as tagged arrays: declared by inheriting the map types.
-class _ArrayBlockStored(BlockStored, array_like=True):
+# The fields those versions had, in their order, as tagged arrays. Declared apart from the
+# map types because fields added since (cache_salt, lora_name) must not grow the array.
+class _ArrayEvent(msgspec.Struct, tag_field="type", array_like=True):
     pass
 
 
-class _ArrayBlockRemoved(BlockRemoved, array_like=True):
-    pass
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[WireBlockHash]
+    parent_block_hash: Union[WireBlockHash, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
 
 
-class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True):
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[WireBlockHash]
+    medium: Union[str, None] = None
+
+
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
@@ -66,7 +82,10 @@ _AS_ARRAY = {v: k for k, v in _AS_MAP.items()}
 
 
 def _relayout(event, table):
-    return table[type(event)](**msgspec.structs.asdict(event))
+    """The same event in the other encoding's type; fields the target lacks are dropped."""
+    target = table[type(event)]
+    fields = msgspec.structs.asdict(event)
+    return target(**{name: fields[name] for name in target.__struct_fields__ if name in fields})
 
 
 class SglangBatch(msgspec.Struct, array_like=True):

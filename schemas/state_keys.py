@@ -8,12 +8,15 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
                                   tier bit as one hex digit + PageKey ("1"+16 hex on device,
                                   "2" host, "4" disk, "8" external); a page on two tiers is
                                   two members
-  kvt:{m}:w:<worker>:state  hash  epoch, seq, stale, n<bit> page count per tier, ...
+  kvt:{m}:w:<worker>:state  hash  epoch, seq, stale, n<bit> page count per tier,
+                                  tiers_seen (OR of every tier bit ever stored), ...
   kvt:{m}:w:<worker>:meta   str   WorkerMetadata as JSON
   kvt:{m}:leases            zset  worker -> lease expiry (unix ms)
   kvt:{m}:workers           set   every worker with state
   kvt:{m}:stale             set   workers whose state is marked stale (routers skip them)
   kvt:{m}:page_size         hash  worker -> page size (routers hash requests at it)
+  kvt:{m}:hash_check        hash  worker -> HashCheck JSON (schemas/health.py): do the worker's
+                                  published page hashes match SGLang's chain over its tokens
   kvt:models                set   model tokens (no tag: read once, outside any script)
 
 Load booked by routers (written only by router/*.lua, atomically with each selection):
@@ -46,20 +49,31 @@ def page_member(tier: Tier, page: PageKey) -> str:
 def split_member(member: str) -> tuple[Tier, PageKey]:
     return _TIER_OF_TAG[member[0]], PageKey(member[1:])
 
+#: The key root of live tier state. `kvtier replay` rebuilds state under another root (a
+#: scratch namespace, e.g. "kvtreplay-1a2b3c4d"): every key above then starts with that root
+#: instead of "kvt", same layout, same hash tag. The scripts never build a key from "kvt"
+#: themselves: they receive keys (or the key base) from ModelKeys.
+DEFAULT_ROOT = "kvt"
 MODELS_KEY = "kvt:models"
+
+
+def models_key(root: str = DEFAULT_ROOT) -> str:
+    """The set of model tokens under a key root (`kvt:models` for live state)."""
+    return f"{root}:models"
 
 
 @dataclass(frozen=True)
 class ModelKeys:
     model_token: str
+    root: str = DEFAULT_ROOT
 
     @classmethod
-    def for_model(cls, model: str) -> "ModelKeys":
-        return cls(subject_token(model))
+    def for_model(cls, model: str, root: str = DEFAULT_ROOT) -> "ModelKeys":
+        return cls(subject_token(model), root)
 
     @property
     def base(self) -> str:
-        return f"kvt:{{{self.model_token}}}"
+        return f"{self.root}:{{{self.model_token}}}"
 
     @property
     def leases(self) -> str:
@@ -76,6 +90,10 @@ class ModelKeys:
     @property
     def page_sizes(self) -> str:
         return f"{self.base}:page_size"
+
+    @property
+    def hash_check(self) -> str:
+        return f"{self.base}:hash_check"
 
     def pages(self, worker_id: str) -> str:
         return f"{self.base}:w:{worker_id}:pages"

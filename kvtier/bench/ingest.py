@@ -250,7 +250,8 @@ def run_ingest_bench(args) -> int:
         watcher = _Watcher(redis_server.url, workload.workers)
         last = {w: s for w, s, _, _ in payloads}
         processor = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url,
-                                      "--redis", redis_server.url, "--log-level", "WARNING"],
+                                      "--redis", redis_server.url, "--log-level", "WARNING",
+                                      "--hash-check", args.hash_check, "--hash-check-budget", str(args.hash_check_budget)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             if not watcher.wait_for(last, 600, lambda: processor.poll() is None):
