@@ -86,6 +86,8 @@ class BridgeConfig:
     #: from the shared pool, so only then is its Mooncake layout announced.
     hicache_storage_backend: str = "none"
     http_endpoint: str = ""
+    #: The engine's version, when learned from its /server_info (`--sglang-url`).
+    engine_version: str = ""
     heartbeat_s: float = 2.0
     lease_ttl_s: float = 10.0
     max_batches_per_message: int = 512
@@ -108,7 +110,7 @@ class BridgeConfig:
                                     pp_size=self.pp_size, key_prefix=self.mooncake_key_prefix)
             if self.hicache_storage_backend == "mooncake" else None,
             kv_events_endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
-            http_endpoint=self.http_endpoint,
+            http_endpoint=self.http_endpoint, engine_version=self.engine_version,
         )
 
 

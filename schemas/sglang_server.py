@@ -1,0 +1,100 @@
+"""SGLang's HTTP replies that `kvtier bridge --sglang-url` reads to learn a worker's metadata.
+
+Only the fields kvtier uses are declared; every other field of these (large) replies is
+ignored, so newer SGLang versions keep decoding. Shapes as of SGLang 0.5.23:
+
+- `GET /server_info` (`entrypoints/http_server.py` `server_info`): the resolved server
+  arguments at top level (`ServerArgs.resolved_dict()`: tp_size, page_size, ...), the
+  scheduler's startup info, `version`, and `kv_events`, the KV-event publisher descriptor
+  (`runtime_context.describe_kv_events_publisher`; null when publishing is off). Older
+  servers answer `GET /get_server_info` with the same top level and may lack `kv_events`.
+- `GET /get_hicache_l3_cache_layout`: the HiCache L3 object-key layout for external KV
+  routers (`mem_cache/hicache_storage.py` `disabled_l3_layout` / `merge_l3_layouts`, filled
+  by the Mooncake store's `describe_l3_object_layout`).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class KvEventsDescriptor(msgspec.Struct, kw_only=True):
+    """`/server_info` `kv_events`: where and how the worker publishes KV events."""
+
+    publisher: str
+    #: May be a bind wildcard ("*", "0.0.0.0", "[::]"): subscribers substitute the worker
+    #: URL's host. IPv6 hosts come bracketed.
+    endpoint_host: str
+    #: DP rank r publishes on endpoint_port_base + r.
+    endpoint_port_base: int
+    topic: str = ""
+    #: Page size the events' block hashes are computed at (page_size x DCP size).
+    block_size: int
+    #: Number of publishers (DP ranks), one per port.
+    dp_size: int = 1
+    #: ROUTER replay socket of rank r: replay_endpoint_port_base + r (same host rule). Absent
+    #: when the worker has no tcp replay endpoint, and in versions before it was advertised.
+    replay_endpoint_port_base: Union[int, None] = None
+
+
+class KvEventsConfig(msgspec.Struct, kw_only=True):
+    """The `--kv-events-config` JSON string, as echoed in `/server_info`'s server arguments.
+    Read only when a server has no `kv_events` descriptor (older versions)."""
+
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Union[str, None] = None
+    topic: str = ""
+    #: "default" (SGLang's hashes) or "dynamo" (hashes namespaced by extra_key/cache_salt).
+    format: str = "default"
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    """`GET /server_info` (only the fields kvtier uses)."""
+
+    #: UNSET: the server predates the descriptor; None: KV events are not published.
+    kv_events: Union[KvEventsDescriptor, None, msgspec.UnsetType] = msgspec.UNSET
+    kv_events_config: Union[str, None] = None
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    dcp_size: int = 1
+    page_size: Union[int, None] = None
+    enable_hierarchical_cache: bool = False
+    hicache_storage_backend: Union[str, None] = None
+    hicache_write_policy: Union[str, None] = None
+    model_path: Union[str, None] = None
+    served_model_name: Union[str, None] = None
+    version: str = ""
+
+
+class L3Pool(msgspec.Struct, kw_only=True):
+    """One pool of a page's objects in the L3 store: its keys are `<digest><suffix>`."""
+
+    pool: str
+    suffixes: list[str] = msgspec.field(default_factory=list)
+    #: "all_pages" (every page needs these objects) or "trailing_pages".
+    hit_policy: str = "all_pages"
+    trailing_pages: Union[int, None] = None
+
+
+class L3ObjectLayout(msgspec.Struct, kw_only=True):
+    pools: list[L3Pool] = msgspec.field(default_factory=list)
+    #: Joined to every key with "_" (SGLang's Mooncake config prefix); None: no prefix.
+    key_prefix: Union[str, None] = None
+    is_mla_backend: Union[bool, None] = None
+    pp_rank: Union[int, None] = None
+    pp_size: int = 1
+
+
+class L3CacheLayout(msgspec.Struct, kw_only=True):
+    """`GET /get_hicache_l3_cache_layout`."""
+
+    enabled: bool
+    backend: Union[str, None] = None
+    page_size: Union[int, None] = None
+    hicache_object_layout: L3ObjectLayout = msgspec.field(default_factory=L3ObjectLayout)
+    #: Why the layout is not usable (enabled false).
+    reason: Union[str, None] = None
