@@ -19,7 +19,7 @@ import redis
 
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
-from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, page_member, split_member
+from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, page_member, split_member
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
 
@@ -69,8 +69,12 @@ class TierStateWriter:
     """Writes tier state. `apply_many_async` is the same apply through an asyncio client, so
     a processor can decode the next messages while Redis applies these."""
 
-    def __init__(self, client: redis.Redis, async_client=None):
+    def __init__(self, client: redis.Redis, async_client=None, root: str = DEFAULT_ROOT):
+        """`root`: the key root written under ("kvt", live state; `kvtier replay` passes a
+        scratch namespace)."""
         self.client = client
+        self.root = root
+        self.models_key = models_key(root)
         self._apply = client.register_script(_APPLY_LUA)
         self._expire = client.register_script(_EXPIRE_LUA)
         self._async_client = async_client
@@ -82,12 +86,11 @@ class TierStateWriter:
         lives in another hash slot), so housekeeping and readers can find its workers."""
         new = {ModelKeys.for_model(b.model).model_token for b in batches} - self._registered_models
         if new:
-            self.client.sadd(MODELS_KEY, *new)
+            self.client.sadd(self.models_key, *new)
             self._registered_models |= new
 
-    @staticmethod
-    def _call_args(batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
-        keys = ModelKeys.for_model(batch.model)
+    def _call_args(self, batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
+        keys = ModelKeys.for_model(batch.model, self.root)
         return (
             [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers],
             ["", batch.worker_id, batch.epoch, batch.seq, mode.value,
@@ -130,10 +133,10 @@ class TierStateWriter:
         clock skew cannot make a lease immortal or stillborn). Returns whether the worker's
         state is marked stale."""
         meta = announce.metadata
-        keys = ModelKeys.for_model(meta.model)
+        keys = ModelKeys.for_model(meta.model, self.root)
         expiry_ms = int(((received_at or time.time()) + announce.lease_ttl_s) * 1000)
         pipe = self.client.pipeline(transaction=True)
-        pipe.sadd(MODELS_KEY, keys.model_token)
+        pipe.sadd(self.models_key, keys.model_token)
         pipe.set(keys.meta(meta.worker_id), msgspec.json.encode(meta))
         pipe.zadd(keys.leases, {meta.worker_id: expiry_ms})
         pipe.sadd(keys.workers, meta.worker_id)
@@ -144,8 +147,8 @@ class TierStateWriter:
 
     def count_stale_workers(self) -> int:
         pipe = self.client.pipeline(transaction=False)
-        for token in self.client.smembers(MODELS_KEY):
-            pipe.scard(ModelKeys(as_text(token)).stale_workers)
+        for token in self.client.smembers(self.models_key):
+            pipe.scard(ModelKeys(as_text(token), self.root).stale_workers)
         return sum(pipe.execute())
 
     def expire_dead_workers(self, now: float | None = None) -> list[tuple[str, str, int]]:
@@ -153,8 +156,8 @@ class TierStateWriter:
         entries removed)."""
         now_ms = int((now or time.time()) * 1000)
         removed: list[tuple[str, str, int]] = []
-        for token in sorted(self.client.smembers(MODELS_KEY)):
-            keys = ModelKeys(as_text(token))
+        for token in sorted(self.client.smembers(self.models_key)):
+            keys = ModelKeys(as_text(token), self.root)
             for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
                 worker_id = as_text(worker)
                 pages = int(self._expire(
@@ -181,17 +184,18 @@ def _result(raw) -> ApplyResult:
 
 
 # --- readers used by tests, replay and debugging tools -------------------------------------
-def read_worker_pages(client: redis.Redis, model: str, worker_id: str) -> dict[BlockHash, set[Tier]]:
+def read_worker_pages(client: redis.Redis, model: str, worker_id: str,
+                      root: str = DEFAULT_ROOT) -> dict[BlockHash, set[Tier]]:
     """A worker's pages and the tiers each is on (one SMEMBERS: a consistent snapshot)."""
     pages: dict[BlockHash, set[Tier]] = {}
-    for member in client.smembers(ModelKeys.for_model(model).pages(worker_id)):
+    for member in client.smembers(ModelKeys.for_model(model, root).pages(worker_id)):
         tier, page = split_member(as_text(member))
         pages.setdefault(block_hash_from_page_key(page), set()).add(tier)
     return pages
 
 
-def read_worker_state(client: redis.Redis, model: str, worker_id: str) -> dict[str, str]:
-    raw = client.hgetall(ModelKeys.for_model(model).state(worker_id))
+def read_worker_state(client: redis.Redis, model: str, worker_id: str, root: str = DEFAULT_ROOT) -> dict[str, str]:
+    raw = client.hgetall(ModelKeys.for_model(model, root).state(worker_id))
     return {as_text(k): as_text(v) for k, v in raw.items()}
 
 

@@ -94,6 +94,22 @@ def _partition_list(text: str) -> list[int] | str | None:
     return sorted(set(parts))
 
 
+def _url_list(text: str) -> list[str]:
+    """One URL or several, comma-separated (for flags given more than once, or from the environment)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+class _UrlListAction(argparse.Action):
+    """Repeatable flag taking comma-separated URLs; the first use on the command line replaces
+    the environment's default instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        if current is self.default or current is None:
+            current = []
+        setattr(namespace, self.dest, [*current, *values])
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="Log verbosity.")
@@ -106,19 +122,214 @@ def _add_stream_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-partitions", type=_positive_int, default=None,
                    help=f"Partitions of the events stream when this process creates it (default "
                         f"{DEFAULT_PARTITIONS}). If the stream exists with another count, giving this flag is an error.")
-    p.add_argument("--stream-max-age", type=_positive_float, default=24 * 3600.0,
-                   help="Keep events this many seconds in the stream (replay window), when creating it.")
-    p.add_argument("--stream-max-bytes", type=int, default=-1,
-                   help="Cap the stream's size in bytes, oldest dropped first (-1: no cap), when creating it.")
+    p.add_argument("--stream-max-age", type=_positive_float, default=None,
+                   help="Keep events this many seconds in the stream: how far back `kvtier replay` reaches "
+                        "(default 86400 when creating it). Given explicitly, an existing stream is updated to it.")
+    p.add_argument("--stream-max-bytes", type=int, default=None,
+                   help="Cap the events stream's size in bytes, oldest dropped first (default -1: no cap, when "
+                        "creating it). Given explicitly, an existing stream is updated to it.")
     p.add_argument("--stream-replicas", type=_positive_int, default=1,
                    help="JetStream replicas of the streams (1 for a single server, 3 for a cluster).")
 
 
 def _stream_settings(args) -> tuple[StreamSettings, bool]:
+    defaults = StreamSettings()
     return StreamSettings(
-        partitions=args.stream_partitions or DEFAULT_PARTITIONS, max_age_s=args.stream_max_age,
-        max_bytes=args.stream_max_bytes, replicas=args.stream_replicas,
+        partitions=args.stream_partitions or DEFAULT_PARTITIONS,
+        max_age_s=args.stream_max_age if args.stream_max_age is not None else defaults.max_age_s,
+        max_bytes=args.stream_max_bytes if args.stream_max_bytes is not None else defaults.max_bytes,
+        replicas=args.stream_replicas,
+        retention_explicit=args.stream_max_age is not None or args.stream_max_bytes is not None,
     ), args.stream_partitions is not None
+
+
+def _add_replay_parsers(sub) -> None:
+    """`kvtier replay [explain]` and `kvtier events tail` (kvtier/replay.py, explain.py, events_tail.py)."""
+    rp = sub.add_parser(
+        "replay", help="Rebuild tier state as it was at a stream seq or a time, compare it with the live state, "
+                       "or explain a routing decision.",
+        description="Read KVTIER_EVENTS from its first retained message up to --at-seq / --at-time (default: its last "
+                    "message now) and apply it with the processor's own apply code into a scratch namespace (keys "
+                    "<NAMESPACE>:{model}:..., expiring after --ttl; `--drop NAMESPACE` removes them), or into another "
+                    "Redis database with --into-db (not on Redis Cluster). --diff compares the result with the live "
+                    "state page by page and exits 1 if any page diverges. The stream only reaches back as far as its "
+                    "retention (--stream-max-age/--stream-max-bytes of processor and bridge): an older point is "
+                    "refused. `kvtier replay explain REQUEST_ID --nats URL --redis URL` re-derives a logged routing "
+                    "decision. Exit codes: 0 ok, 1 diverged / not reproduced, 2 refused or not found.")
+    rp.add_argument("--nats", default=None, help="NATS URL holding KVTIER_EVENTS, e.g. nats://127.0.0.1:4222.")
+    rp.add_argument("--redis", default=None, help="Redis URL of the live state; the scratch state goes there too.")
+    rp.add_argument("--model", default=None, help="Only this model (default: every model).")
+    rp.add_argument("--worker", default=None, help="Only this worker.")
+    at = rp.add_mutually_exclusive_group()
+    at.add_argument("--at-time", default=None,
+                    help="The state as of this time: ISO 8601 (UTC unless an offset is given), unix seconds, or a "
+                         "duration ago (90s, 5m, 2h, 1d).")
+    at.add_argument("--at-seq", type=_positive_int, default=None,
+                    help="The state after the events stream's message with this sequence (see `kvtier events tail`).")
+    into = rp.add_mutually_exclusive_group()
+    into.add_argument("--into", default=None, metavar="NAMESPACE",
+                      help="Scratch key root to rebuild under (default: a fresh kvtreplay-<hex>); must be empty.")
+    into.add_argument("--into-db", type=int, default=None, metavar="N",
+                      help="Rebuild under the usual kvt: root in Redis database N instead (not the live one; not "
+                           "available on Redis Cluster).")
+    rp.add_argument("--ttl", type=int, default=3600,
+                    help="Seconds the scratch keys live (0: until `kvtier replay --drop`).")
+    rp.add_argument("--diff", action="store_true",
+                    help="Compare the rebuilt state with the live one per worker and tier; exit 1 if any page diverges.")
+    rp.add_argument("--drop", nargs="?", const="", default=None, metavar="NAMESPACE",
+                    help="Delete a scratch namespace's keys (with --into-db N: the kvt keys of database N) and exit.")
+    rp.add_argument("--json", action="store_true", help="Also print one JSON object as the last line.")
+    _add_common(rp)
+    rsub = rp.add_subparsers(dest="replay_command", required=False, parser_class=_EnvDefaults)
+    ex = rsub.add_parser(
+        "explain", help="Why a router chose the worker it chose: re-derive a logged decision from the event stream.",
+        description="Find the decision for REQUEST_ID in KVTIER_DECISIONS, rebuild its model's tier state as of the "
+                    "decision's time, read each candidate's tiered overlap from it with the router's own reader, "
+                    "re-score with the recorded weights, loads and random draw, and print every term of the formula "
+                    "per candidate. Flags every difference from the record (overlap per tier, logit, winner, "
+                    "candidates) and exits 1 if there is one; 2 if the decision is not found. Shared-pool hits are "
+                    "taken as recorded (Mooncake's state cannot be replayed).")
+    ex.add_argument("request_id", help="The request id the router logged (its /v1/route request_id).")
+    suppress = argparse.SUPPRESS  # options given before `explain` (to `kvtier replay`) still count
+    ex.add_argument("--nats", default=suppress, help="NATS URL holding KVTIER_DECISIONS and KVTIER_EVENTS.")
+    ex.add_argument("--redis", default=suppress, help="Redis URL (the scratch state is rebuilt there, then dropped).")
+    ex.add_argument("--model", default=suppress, help="Search only this model's decisions (faster).")
+    ex.add_argument("--keep", action="store_true",
+                    help="Keep the rebuilt state (its namespace is printed; it expires after --ttl).")
+    ex.add_argument("--ttl", type=int, default=suppress, help="With --keep: seconds the kept keys live (0: forever).")
+    ex.add_argument("--json", action="store_true", default=suppress, help="Also print one JSON object last.")
+
+    ev = sub.add_parser("events", help="Look at the events stream (KVTIER_EVENTS).")
+    evsub = ev.add_subparsers(dest="events_command", required=True, parser_class=_EnvDefaults)
+    tail = evsub.add_parser(
+        "tail", help="Print decoded tier events, filtered: time, stream seq, worker, epoch:seq, kind, tier, pages.",
+        description="One line per tier event or announcement. Default: the last 10 matching events; --since TIME "
+                    "prints from a time on; --follow keeps printing new ones until Ctrl-C/SIGTERM.")
+    tail.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
+    tail.add_argument("--model", default=None, help="Only this model.")
+    tail.add_argument("--worker", default=None, help="Only this worker.")
+    tail.add_argument("--tier", choices=["device", "host", "disk", "external"], default=None,
+                      help="Only stores/removes on this tier.")
+    tail.add_argument("--kind", choices=["stored", "removed", "cleared", "announce"], default=None,
+                      help="Only this kind of event.")
+    when = tail.add_mutually_exclusive_group()
+    when.add_argument("--since", default=None,
+                      help="From this time on: ISO 8601, unix seconds, or a duration ago (90s, 5m, 2h).")
+    when.add_argument("--last", type=_positive_int, default=None, help="The last N matching events (default 10).")
+    tail.add_argument("--follow", action="store_true", help="Keep printing new events as they arrive.")
+    tail.add_argument("--json", action="store_true", help="One JSON object per line instead of text.")
+    _add_common(tail)
+
+
+def _add_probe_parsers(sub) -> None:
+    """`kvtier probe hicache` (kvtier/probe.py)."""
+    probe = sub.add_parser("probe", help="Probe a worker with a fixed protocol and judge what the telemetry proves.")
+    probe_sub = probe.add_subparsers(dest="probe", required=True, parser_class=_EnvDefaults)
+    ph = probe_sub.add_parser(
+        "hicache", help="Did HiCache serve a prefix from host RAM (L2)? Series A/B/C of SGLang's HiCache guide, "
+                        "judged from the worker's event stream and tier state.",
+        description="Series A: a long seeded-random prefix + question 1; B: the same prefix + question 2; C: other "
+                    "prefixes push the prefix out of device memory, then A again. Each request is SGLang's native "
+                    "POST <worker-url>/generate (input_ids, max_new_tokens 1). For each series: the prefix pages on "
+                    "device/host before it (Redis tier state), the host->device loads seen after it (JetStream "
+                    "events), TTFT, cached tokens by tier, and a verdict: 'L2 read proven', 'device hit', "
+                    "'recomputed' or 'consistent with reuse, not proven'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ph.add_argument("--worker-url", required=True,
+                    help="The worker's HTTP base: http://HOST:PORT for SGLang, http://HOST:PORT/w/<rank> for a "
+                         "`kvtier sim-worker` rank (POST <worker-url>/generate).")
+    ph.add_argument("--worker-id", required=True, type=_worker_id,
+                    help="The worker's kvtier id (as its bridge publishes it; rank r of --dp-size N: <id>-dp<r>).")
+    ph.add_argument("--model", required=True, help="The model name the worker's bridge publishes under.")
+    ph.add_argument("--nats", required=True, help="NATS URL holding KVTIER_EVENTS, e.g. nats://127.0.0.1:4222.")
+    ph.add_argument("--redis", required=True, help="Redis URL holding the tier state, e.g. redis://127.0.0.1:6379/0.")
+    ph.add_argument("--page-size", type=_positive_int, default=None,
+                    help="The worker's page size (default: as its bridge announced it in Redis).")
+    ph.add_argument("--prefix-tokens", type=_positive_int, default=2048,
+                    help="Length of the test prefix (rounded up to whole pages).")
+    ph.add_argument("--evict-prefixes", type=int, default=64,
+                    help="At most this many other prefixes (each as long) before series C; the probe stops as soon "
+                         "as Redis shows no prefix page on device, and sends all of them without tier state.")
+    ph.add_argument("--seed", type=int, default=None, help="Seed of the random token ids (default: a fresh one, "
+                                                           "printed; the same seed repeats the same prompts).")
+    ph.add_argument("--watch-timeout", type=_positive_float, default=5.0,
+                    help="Seconds to wait for a request's events on the stream.")
+    ph.add_argument("--request-timeout", type=_positive_float, default=300.0, help="Seconds each request may take.")
+    ph.add_argument("--api-key", default="", help="Bearer token for the worker's HTTP API (SGLang --api-key).")
+    ph.add_argument("--json", action="store_true", help="Also print one JSON object as the last line.")
+    _add_common(ph)
+
+
+def _model_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more model names (comma-separated)")
+    return names
+
+
+def _add_analytics_parsers(sub) -> None:
+    """`kvtier analytics` (consumers/analytics.py) and `kvtier report` (kvtier/report.py)."""
+    a = sub.add_parser("analytics", help="Tier statistics from the event and decision streams on /metrics "
+                                         "(a durable JetStream consumer of its own).",
+                       description="Keeps every worker's pages per tier from KVTIER_EVENTS in memory and counts "
+                                   "transitions (stored, removed, copies, promotions, demotions, evictions), page "
+                                   "lifetimes per tier, and from KVTIER_DECISIONS the decisions per worker and the "
+                                   "predicted hit tokens by tier; serves them as Prometheus metrics. Acks after "
+                                   "counting, so a restart continues where it left off; the tier sets are rebuilt "
+                                   "from the stream at start.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
+    a.add_argument("--durable", default="kvtier-analytics",
+                   help="Durable consumer name prefix (<name>-events, <name>-decisions); two analytics with "
+                        "different names count independently.")
+    a.add_argument("--host", default="127.0.0.1", help="Address the HTTP server (/metrics, /healthz) binds to.")
+    a.add_argument("--http-port", type=int, default=9464, help="HTTP port (0: a free one, printed at start).")
+    a.add_argument("--models", type=_model_names, nargs="+", default=None,
+                   help="Only these models (comma- or space-separated; default: every model).")
+    a.add_argument("--writeback-window", type=_non_negative_float, default=2.0,
+                   help="Seconds a page removed from its last tier may wait for its write-back store on a lower "
+                        "tier (then a demotion, else an eviction; 0: evictions at once).")
+    a.add_argument("--fetch-batch", type=_positive_int, default=256, help="Messages pulled at once.")
+    a.add_argument("--ack-wait", type=_positive_float, default=30.0, dest="ack_wait_s",
+                   help="Ack wait of the durable consumers.")
+    a.add_argument("--no-rebuild", action="store_true",
+                   help="Do not rebuild the tier sets from the events stream at start (faster start on a long "
+                        "stream; resident pages then count only what is stored from now on).")
+    _add_common(a)
+
+    rep = sub.add_parser("report", help="PNG plots and summary.md of a time window of the event and decision "
+                                        "streams.",
+                         description="Reads KVTIER_EVENTS (from its first retained message, to rebuild the tier "
+                                     "state, counting only the window) and KVTIER_DECISIONS for the window, and "
+                                     "writes resident pages per tier over time, transitions per kind over time, "
+                                     "lifetime distributions per tier, decisions per worker and predicted hit tokens "
+                                     "by tier as PNGs, plus summary.md.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    rep.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
+    rep.add_argument("--since", required=True,
+                     help="Window start: ISO 8601 (UTC without an offset), unix seconds, or a duration ago (30m).")
+    rep.add_argument("--until", default="", help="Window end, same forms (default: now).")
+    rep.add_argument("--model", default="", help="Only this model (default: every model).")
+    rep.add_argument("--out", default="kvtier-report", help="Folder for the PNGs and summary.md.")
+    rep.add_argument("--bins", type=_positive_int, default=60, help="Time steps of the plots over time.")
+    rep.add_argument("--writeback-window", type=_non_negative_float, default=2.0,
+                     help="Seconds a page removed from its last tier may wait for its write-back store on a lower "
+                          "tier (then a demotion, else an eviction), as in `kvtier analytics`.")
+    rep.add_argument("--json", action="store_true", help="Print one JSON object (the summary) as the last line.")
+    _add_common(rep)
+
+
+async def _run_analytics(args, stop) -> None:
+    from kvtier.consumers.analytics import AnalyticsConfig, run_analytics
+
+    models = None
+    if args.models:
+        models = [n for item in args.models for n in (item if isinstance(item, list) else [item])]
+    config = AnalyticsConfig(nats_url=args.nats, durable=args.durable, host=args.host, http_port=args.http_port,
+                             models=models, writeback_window_s=args.writeback_window, fetch_batch=args.fetch_batch,
+                             ack_wait_s=args.ack_wait_s, rebuild=not args.no_rebuild)
+    await run_analytics(config, stop, ready=lambda port: print(
+        f"kvtier analytics listening on http://{args.host}:{port}/metrics", flush=True))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,33 +341,57 @@ def build_parser() -> argparse.ArgumentParser:
                                    "publish them, in order and gap-free, to JetStream subject "
                                    "kvtier.events.<model>.<worker>. Recovers missed batches from the engine's replay "
                                    "socket and announces the worker (metadata + lease) every heartbeat.")
-    b.add_argument("--endpoint", required=True,
+    b.add_argument("--sglang-url", default="",
+                   help="The SGLang server's HTTP address (e.g. http://10.0.0.5:30000). At start the bridge reads its "
+                        "/server_info and /get_hicache_l3_cache_layout and takes the endpoints, page size, DP/TP/PP "
+                        "sizes, model and Mooncake layout from them; a flag that disagrees with the server is an error.")
+    b.add_argument("--sglang-timeout", type=_positive_float, default=5.0,
+                   help="Seconds to wait for each of SGLang's replies at start (--sglang-url).")
+    b.add_argument("--sglang-api-key", default="",
+                   help="SGLang's --api-key, sent as a bearer token to /server_info (--sglang-url), if it has one.")
+    b.add_argument("--endpoint", default=None,
                    help="The worker's ZMQ PUB endpoint to connect to, e.g. tcp://10.0.0.5:5557 (the 'endpoint' of "
-                        "--kv-events-config with '*' replaced by the worker's address). DP rank r uses port + r.")
-    b.add_argument("--replay-endpoint", default="",
+                        "--kv-events-config with '*' replaced by the worker's address). DP rank r uses port + r. "
+                        "Required unless --sglang-url is given.")
+    b.add_argument("--replay-endpoint", default=None,
                    help="The worker's ZMQ replay (ROUTER) endpoint, e.g. tcp://10.0.0.5:5558. Without it a gap or a "
-                        "bridge restart cannot be recovered and starts a new epoch (the worker's state is rebuilt).")
-    b.add_argument("--topic", default="", help="ZMQ topic to subscribe to ('' = all, SGLang's default).")
+                        "bridge restart cannot be recovered and starts a new epoch (the worker's state is rebuilt). "
+                        "Discovered with --sglang-url when SGLang has one.")
+    b.add_argument("--topic", default=None, help="ZMQ topic to subscribe to ('' = all, SGLang's default).")
     b.add_argument("--worker-id", required=True, type=_worker_id,
                    help="Stable id of this worker (letters, digits, '_', '-'); routers return it. With --dp-size N>1 "
                         "rank r becomes <worker-id>-dp<r>.")
-    b.add_argument("--model", required=True, help="Served model name, as clients send it to the router.")
-    b.add_argument("--page-size", required=True, type=_positive_int,
-                   help="SGLang --page-size of the worker (tokens per KV page).")
+    b.add_argument("--model", default=None,
+                   help="Served model name, as clients send it to the router. Required unless --sglang-url is given "
+                        "(then SGLang's served_model_name).")
+    b.add_argument("--page-size", default=None, type=_positive_int,
+                   help="SGLang --page-size of the worker (tokens per KV page). Required unless --sglang-url is given.")
     b.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
-    b.add_argument("--dp-size", type=_positive_int, default=1,
-                   help="Attention data-parallel ranks of the worker; each rank publishes on endpoint port + rank.")
-    b.add_argument("--tp-size", type=_positive_int, default=1, help="Tensor-parallel size (Mooncake key layout).")
-    b.add_argument("--pp-size", type=_positive_int, default=1, help="Pipeline-parallel size (Mooncake key layout).")
-    b.add_argument("--mooncake-attention", choices=["mha", "mla"], default="mha",
-                   help="Attention kind, which decides the Mooncake key layout of a page (mha: _k/_v per TP rank; "
-                        "mla: one __k key).")
-    b.add_argument("--mooncake-key-prefix", default="", help="Prefix SGLang puts before Mooncake keys, if any.")
-    b.add_argument("--hicache-storage-backend", choices=["none", "mooncake"], default="none",
-                   help="The worker's SGLang --hicache-storage-backend; with mooncake its key layout is announced "
-                        "and routers credit it for pages in the shared pool.")
-    b.add_argument("--worker-url", default="", dest="http_endpoint",
-                   help="The engine's HTTP base URL (e.g. http://10.0.0.5:30000), for a router in --proxy mode.")
+    b.add_argument("--dp-size", type=_positive_int, default=None,
+                   help="Attention data-parallel ranks of the worker; each rank publishes on endpoint port + rank "
+                        "(default 1).")
+    b.add_argument("--tp-size", type=_positive_int, default=None,
+                   help="Tensor-parallel size (Mooncake key layout; default 1).")
+    b.add_argument("--pp-size", type=_positive_int, default=None,
+                   help="Pipeline-parallel size (Mooncake key layout; default 1).")
+    b.add_argument("--mooncake-attention", choices=["mha", "mla"], default=None,
+                   help="Attention kind, which decides the Mooncake key layout of a page (mha, the default: _k/_v per "
+                        "TP rank; mla: one __k key).")
+    b.add_argument("--mooncake-key-prefix", default=None, help="Prefix SGLang puts before Mooncake keys, if any.")
+    b.add_argument("--hicache-storage-backend", choices=["none", "mooncake"], default=None,
+                   help="The worker's SGLang --hicache-storage-backend (default none); with mooncake its key layout is "
+                        "announced and routers credit it for pages in the shared pool. With --sglang-url, mooncake "
+                        "also announces an MHA layout that SGLang itself declines to describe.")
+    b.add_argument("--hicache", choices=["on", "off"], default=None,
+                   help="Whether the worker runs SGLang HiCache (--enable-hierarchical-cache), announced so "
+                        "`kvtier doctor` can tell a missing host tier from a disabled one (with --sglang-url: read "
+                        "from the server).")
+    b.add_argument("--hicache-write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                   default=None, help="The worker's SGLang --hicache-write-policy (with --sglang-url: read from "
+                                      "the server).")
+    b.add_argument("--worker-url", default=None, dest="http_endpoint",
+                   help="The engine's HTTP base URL (e.g. http://10.0.0.5:30000), for a router in --proxy mode "
+                        "(default: --sglang-url).")
     b.add_argument("--heartbeat", type=_positive_float, default=2.0, dest="heartbeat_s",
                    help="Seconds between announcements (metadata + lease renewal).")
     b.add_argument("--lease-ttl", type=_positive_float, default=10.0, dest="lease_ttl_s",
@@ -189,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JetStream ack wait of the consumers (redelivery delay of unacked messages).")
     p.add_argument("--reap-interval", type=_positive_float, default=1.0, dest="reap_interval_s",
                    help="Seconds between lease-expiry sweeps.")
+    p.add_argument("--hash-check", choices=["on", "off"], default="on",
+                   help="Recompute SGLang's page hash of every stored page from its tokens and record mismatches per "
+                        "worker (kvt:{model}:hash_check, /metrics, the router's /healthz). 'off' saves the CPU "
+                        "when the engine's scheme is known to match.")
+    p.add_argument("--hash-check-budget", type=_non_negative_float, default=50_000.0,
+                   help="Pages the hash check recomputes per second at most (0: no limit); pages over it are "
+                        "counted as skipped, pages already verified (host copies, load_backs) are not recomputed.")
     _add_stream_flags(p)
     _add_common(p)
 
@@ -274,6 +516,30 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="Print one JSON array instead of a table.")
     _add_common(i)
 
+    dr = sub.add_parser("doctor", help="Check a running deployment (NATS, Redis, workers, tiers, page sizes, Mooncake, "
+                                       "routers, hash scheme, dead letters) and say what is wrong and how to fix it.",
+                        description="Reads NATS, Redis, each router's /healthz and /metrics and the Mooncake master, "
+                                    "and judges each check ok / warn / fail with a one-line finding and a fix. "
+                                    "Exit 0 when nothing failed (warnings too fail with --strict), else 1.")
+    dr.add_argument("--nats", required=True, help="NATS URL, e.g. nats://127.0.0.1:4222.")
+    dr.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0.")
+    dr.add_argument("--router", type=_url_list, action=_UrlListAction, default=[],
+                    help="A router's base URL, e.g. http://10.0.0.7:8000 (repeat, or comma-separate, for several).")
+    dr.add_argument("--mooncake-master", default="",
+                    help="The Mooncake master's HTTP (metrics) address, e.g. http://master:9003; probed with "
+                         "/batch_query_keys (or GET exactly this URL when it has a path, e.g. .../metrics).")
+    dr.add_argument("--model", default=None, help="Only this model (default: every model in Redis).")
+    dr.add_argument("--events-window", type=_positive_float, default=300.0,
+                    help="Seconds within which a live worker's events should have been applied.")
+    dr.add_argument("--timeout", type=_positive_float, default=3.0, help="Seconds each probe may take.")
+    dr.add_argument("--strict", action="store_true", help="Exit 1 on warnings too.")
+    dr.add_argument("--json", action="store_true", help="Also print one JSON object as the last line.")
+    _add_common(dr)
+
+    _add_replay_parsers(sub)
+    _add_probe_parsers(sub)
+    _add_analytics_parsers(sub)
+
     d = sub.add_parser("demo", help="Replay a sample of the Mooncake conversation trace on a simulated HiCache "
                                     "cluster, once per routing policy, and compare them (embedded servers).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -305,6 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Transitions/s in the lag phase (default: half the measured throughput).")
     ingest.add_argument("--no-token-ids", action="store_true",
                         help="Messages without token ids (as from `kvtier bridge --drop-token-ids`): ~4x smaller.")
+    ingest.add_argument("--hash-check", choices=["on", "off"], default="on",
+                        help="The processor's hash-scheme check (see `kvtier processor --hash-check`).")
+    ingest.add_argument("--hash-check-budget", type=_non_negative_float, default=50_000.0,
+                        help="Its pages/s budget (see `kvtier processor --hash-check-budget`; 0: no limit).")
     ingest.add_argument("--dynamo", action="store_true",
                         help="Also time Dynamo's RadixTree.apply_event on the device-tier events of the same messages "
                              "(needs: pip install -e '.[bench-dynamo]').")
@@ -421,14 +691,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bridge":
             from kvtier.producers.bridge import BridgeConfig, run_bridge
+            from kvtier.producers.sglang_discovery import WorkerFlags, resolve_worker
 
             streams, explicit = _stream_settings(args)
+            worker = resolve_worker(WorkerFlags(
+                endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic, model=args.model,
+                page_size=args.page_size, dp_size=args.dp_size, tp_size=args.tp_size, pp_size=args.pp_size,
+                hicache_storage_backend=args.hicache_storage_backend, mooncake_attention=args.mooncake_attention,
+                mooncake_key_prefix=args.mooncake_key_prefix, http_endpoint=args.http_endpoint,
+                hicache_enabled=None if args.hicache is None else args.hicache == "on",
+                hicache_write_policy=args.hicache_write_policy,
+            ), sglang_url=args.sglang_url, timeout_s=args.sglang_timeout, api_key=args.sglang_api_key)
+            layout = worker.mooncake
             config = BridgeConfig(
-                endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
-                worker_id=args.worker_id, model=args.model, page_size=args.page_size, nats_url=args.nats,
-                dp_size=args.dp_size, tp_size=args.tp_size, pp_size=args.pp_size,
-                mooncake_attention=args.mooncake_attention, mooncake_key_prefix=args.mooncake_key_prefix,
-                hicache_storage_backend=args.hicache_storage_backend, http_endpoint=args.http_endpoint,
+                endpoint=worker.endpoint, replay_endpoint=worker.replay_endpoint, topic=worker.topic,
+                worker_id=args.worker_id, model=worker.model, page_size=worker.page_size, nats_url=args.nats,
+                dp_size=worker.dp_size, tp_size=worker.tp_size, pp_size=worker.pp_size,
+                mooncake_attention=layout.attention.value if layout else "mha",
+                mooncake_key_prefix=layout.key_prefix if layout else "",
+                hicache_storage_backend="mooncake" if layout else "none", http_endpoint=worker.http_endpoint,
+                engine_version=worker.engine_version, hicache_enabled=worker.hicache_enabled,
+                hicache_write_policy=worker.hicache_write_policy,
                 heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s,
                 max_batches_per_message=args.max_batches_per_message,
                 max_pages_per_message=args.max_pages_per_message, keep_token_ids=not args.drop_token_ids,
@@ -445,7 +728,8 @@ def main(argv: list[str] | None = None) -> int:
                 auto_partitions=args.partitions == "auto",
                 durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s,
                 ack_wait_s=args.ack_wait_s, reap_interval_s=args.reap_interval_s, streams=streams,
-                partitions_explicit=explicit,
+                partitions_explicit=explicit, hash_check=args.hash_check == "on",
+                hash_check_budget=args.hash_check_budget,
             )
             _run_until_signal(lambda stop: Processor(config).run(stop))
         elif args.command == "router":
@@ -478,6 +762,28 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.inspect import run_inspect
 
             return run_inspect(args)
+        elif args.command == "doctor":
+            from kvtier.doctor import run_doctor
+
+            return run_doctor(args)
+        elif args.command == "replay":
+            from kvtier.replay import run_replay
+
+            return run_replay(args)
+        elif args.command == "events":
+            from kvtier.events_tail import run_events
+
+            return run_events(args)
+        elif args.command == "probe" and args.probe == "hicache":
+            from kvtier.probe import run_probe_cli
+
+            return run_probe_cli(args)
+        elif args.command == "analytics":
+            _run_until_signal(lambda stop: _run_analytics(args, stop))
+        elif args.command == "report":
+            from kvtier.report import run_report
+
+            return run_report(args)
         elif args.command == "demo":
             from kvtier.demo import run_demo
 

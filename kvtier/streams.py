@@ -10,6 +10,7 @@ the `Kvtier-Reason` header: bad input is kept, never dropped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ class StreamSettings:
     replicas: int = 1
     duplicate_window_s: float = 120.0
     file_storage: bool = True
+    #: max_age_s / max_bytes were given explicitly (flag or environment): an existing events
+    #: stream whose limits differ is updated to them. Otherwise they apply only when creating it.
+    retention_explicit: bool = False
 
 
 class StreamMismatch(RuntimeError):
@@ -119,6 +123,8 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
         except nats.js.errors.BadRequestError:
             info = await js.stream_info(EVENTS_STREAM)  # another process created it first
     existing = partitions_of(info.config)
+    if settings.retention_explicit:
+        await _update_retention(js, info.config, settings)
     if partitions_explicit and existing != settings.partitions:
         raise StreamMismatch(
             f"stream {EVENTS_STREAM} has {existing} partitions, but {settings.partitions} were "
@@ -128,6 +134,20 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
                        max_age=7 * 24 * 3600.0, storage=storage, num_replicas=settings.replicas)
     await _add_stream_if_missing(js, dlq)
     return existing
+
+
+async def _update_retention(js: JetStreamContext, current: StreamConfig, settings: StreamSettings) -> None:
+    """Bring an existing events stream's age and size limits to the requested ones. Unlike
+    the partition count this is safe to change: it only decides how far back replay reaches
+    (shrinking it drops the oldest messages at once)."""
+    age, size = current.max_age or 0.0, current.max_bytes if current.max_bytes is not None else -1
+    want_age = settings.max_age_s or 0.0
+    if abs(age - want_age) < 1e-3 and size == settings.max_bytes:
+        return
+    log.warning("stream %s: changing retention from max_age=%.0fs max_bytes=%d to max_age=%.0fs max_bytes=%d",
+                EVENTS_STREAM, age, size, want_age, settings.max_bytes)
+    updated = dataclasses.replace(current, max_age=want_age, max_bytes=settings.max_bytes)
+    await js.update_stream(updated)
 
 
 async def _add_stream_if_missing(js: JetStreamContext, config: StreamConfig) -> None:

@@ -86,6 +86,8 @@ class BridgeConfig:
     #: from the shared pool, so only then is its Mooncake layout announced.
     hicache_storage_backend: str = "none"
     http_endpoint: str = ""
+    hicache_enabled: bool | None = None
+    hicache_write_policy: str = ""
     #: The engine's version, when learned from its /server_info (`--sglang-url`).
     engine_version: str = ""
     heartbeat_s: float = 2.0
@@ -111,6 +113,7 @@ class BridgeConfig:
             if self.hicache_storage_backend == "mooncake" else None,
             kv_events_endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
             http_endpoint=self.http_endpoint, engine_version=self.engine_version,
+            hicache_enabled=self.hicache_enabled, hicache_write_policy=self.hicache_write_policy,
         )
 
 
@@ -254,22 +257,45 @@ class RankBridge:
             ready = []
             if verdict == SourceSequencer.GAP:
                 missing_from = self.sequencer.expected
-                filled = await self._replay_from(missing_from) if self.replay else None
-                if filled and filled[0].seq == missing_from:
+                filled = await self._replay_from(max(0, missing_from - 1)) if self.replay else None
+                continuation = self._continuation(filled, missing_from)
+                if continuation is not None:
                     GAPS.labels(self._label, "true").inc()
                     log.info("%s: gap at engine seq %d..%d recovered from replay", self._label, missing_from, raw.seq - 1)
                     # replayed batches come first; the live ones follow and dedupe by (seq, ts)
-                    raws = filled + raws[index:]
+                    raws = continuation + raws[index:]
                     index = 0
                     continue
-                GAPS.labels(self._label, "false").inc()
-                self._begin_epoch(EpochReason.UNRECOVERED_GAP)
+                if filled and filled[0].seq == missing_from - 1:
+                    # The buffer holds our last seq with another ts: a new engine process that
+                    # has already numbered past us. Its batches do not continue ours.
+                    log.warning("%s: the engine restarted during a gap (seq %d is another batch now); new epoch",
+                                self._label, missing_from - 1)
+                    self._begin_epoch(EpochReason.PUBLISHER_RESTART)
+                else:
+                    GAPS.labels(self._label, "false").inc()
+                    self._begin_epoch(EpochReason.UNRECOVERED_GAP)
             else:
                 self._begin_epoch(EpochReason.PUBLISHER_RESTART)
             rebuilt = await self._replay_from(0) if self.replay else None
             raws = (rebuilt or []) + raws[index:]
             index = 0
         await self._flush(ready)
+
+    def _continuation(self, filled: list[RawBatch] | None, missing_from: int) -> list[RawBatch] | None:
+        """The replayed batches from `missing_from` on, if they provably continue what this
+        bridge forwarded: the buffer must still hold our last batch, same seq and same ts
+        (a restarted engine reuses seq numbers, never timestamps)."""
+        if not filled:
+            return None
+        if missing_from == 0:
+            # Nothing forwarded yet (an empty buffer at start): there is no batch to anchor on.
+            return filled if filled[0].seq == 0 else None
+        anchor, rest = filled[0], filled[1:]
+        if anchor.seq == missing_from - 1 and self.sequencer.seen(anchor.seq, _decode(anchor)[1]) \
+                and rest and rest[0].seq == missing_from:
+            return rest
+        return None
 
     async def _flush(self, ready: list[tuple[RawBatch, object]]) -> None:
         if not ready:

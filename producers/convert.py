@@ -36,20 +36,26 @@ def _convert_event(event, keep_token_ids: bool) -> TierEvent:
         if event.block_size <= 0:
             raise ValueError(f"page size (block_size) must be positive, got {event.block_size}")
         tier = tier_of_medium(event.medium)
+        bigram = bool(event.token_ids) and isinstance(event.token_ids[0], list)
         return PagesStored(
             tier=tier,
             hashes=event.block_hashes,
             parent=event.parent_block_hash,
             page_size=event.block_size,
-            token_ids=pack_token_ids(event.token_ids if keep_token_ids else []),
+            token_ids=pack_token_ids(event.token_ids if keep_token_ids and not bigram else []),
             lora_id=event.lora_id,
-            namespace=_namespace(event),
+            namespace=BIGRAM_NAMESPACE if bigram else _namespace(event),
         )
     if isinstance(event, BlockRemoved):
         return PagesRemoved(tier=tier_of_medium(event.medium), hashes=event.block_hashes)
     if isinstance(event, AllBlocksCleared):
         return AllCleared()
     raise ValueError(f"unsupported event type {type(event).__name__}")
+
+
+#: Pages keyed by token pairs (EAGLE): their tokens are not forwarded (the hash check cannot
+#: recompute them, and a router hashing plain tokens cannot match them).
+BIGRAM_NAMESPACE = "eagle-bigram"
 
 
 def _namespace(event: BlockStored) -> str | None:

@@ -66,6 +66,8 @@ class WorkerFlags:
     mooncake_attention: str | None = None  # "mha" | "mla"
     mooncake_key_prefix: str | None = None
     http_endpoint: str | None = None
+    hicache_enabled: bool | None = None
+    hicache_write_policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class WorkerSettings:
     mooncake: MooncakeLayout | None
     http_endpoint: str
     engine_version: str = ""
+    hicache_enabled: bool | None = None
+    hicache_write_policy: str = ""
     #: Decisions an operator should know about (logged as warnings at start).
     notes: tuple[str, ...] = ()
 
@@ -103,6 +107,7 @@ def manual_settings(flags: WorkerFlags) -> WorkerSettings:
         endpoint=flags.endpoint, replay_endpoint=flags.replay_endpoint or "", topic=flags.topic or "",
         model=flags.model, page_size=flags.page_size, dp_size=flags.dp_size or 1, tp_size=tp_size, pp_size=pp_size,
         mooncake=mooncake, http_endpoint=flags.http_endpoint or "",
+        hicache_enabled=flags.hicache_enabled, hicache_write_policy=flags.hicache_write_policy or "",
     )
 
 
@@ -144,6 +149,9 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
     tp_size = fact("--tp-size", flags.tp_size, info.tp_size, "tp_size")
     pp_size = fact("--pp-size", flags.pp_size, info.pp_size, "pp_size")
     topic = fact("--topic", flags.topic, events.topic, "kv_events.topic")
+    fact("--hicache", flags.hicache_enabled, info.enable_hierarchical_cache, "enable_hierarchical_cache")
+    if info.enable_hierarchical_cache and info.hicache_write_policy:
+        fact("--hicache-write-policy", flags.hicache_write_policy, info.hicache_write_policy, "hicache_write_policy")
     mooncake = _mooncake(info, layout, flags, tp_size, pp_size, page_size, conflicts, notes)
     if conflicts:
         raise DiscoveryError(f"the flags disagree with SGLang at {url}: " + "; ".join(conflicts)
@@ -184,6 +192,8 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
         endpoint=endpoint, replay_endpoint=replay, topic=topic, model=model, page_size=page_size, dp_size=dp_size,
         tp_size=tp_size, pp_size=pp_size, mooncake=mooncake, http_endpoint=flags.http_endpoint or url,
         engine_version=info.version, notes=tuple(notes),
+        hicache_enabled=info.enable_hierarchical_cache,
+        hicache_write_policy=(info.hicache_write_policy or "") if info.enable_hierarchical_cache else "",
     )
 
 

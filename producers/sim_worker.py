@@ -6,8 +6,12 @@ ROUTER socket at `--replay-port` + r, exactly as SGLang does, so `kvtier bridge 
 consumes them unchanged. Requests come over HTTP:
 
   POST /w/<rank>/generate  {"input_ids": [...], "now": <sim seconds>?}
-        -> {"rank", "meta_info": {"prompt_tokens", "cached_tokens_details": {"device", "host",
-            "l3"}, "recomputed_tokens", "queue_s", "ttft_s"}}
+        -> {"rank", "meta_info": {"prompt_tokens", "cached_tokens", "cached_tokens_details":
+            {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s"}}
+        Other fields of SGLang's native body (sampling_params, ...) are ignored. Without
+        "now" the simulated clock moves on by the wall time since the previous request, so a
+        client that sends SGLang's plain body (e.g. `kvtier probe hicache`) sees device->host
+        copies land as on a real server.
   POST /advance            {"now": <sim seconds>}  completes due device->host copies
   GET  /w/<rank>/tiers     the rank's own view: [[page hash, [tiers...]], ...]
   GET  /batch_query_keys?keys=k1,k2   the ranks' shared L3 pool, answered in the Mooncake
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -145,6 +150,17 @@ class SimWorkers:
             for r in range(config.ranks)]
         self._lock = asyncio.Lock()
         self._now = 0.0
+        self._wall = time.monotonic()  # when self._now was last moved: untimed requests advance from it
+
+    def _tick(self, now: float | None) -> float:
+        """The simulated time of a request: its own `now`, or, without one, the clock moved on
+        by the wall time since the last request."""
+        wall = time.monotonic()
+        if now is None:
+            now = self._now + (wall - self._wall)
+        self._wall = wall
+        self._now = max(self._now, now)
+        return now
 
     def _flush(self, rank: int) -> None:
         events = self.sims[rank].drain_events()
@@ -160,13 +176,13 @@ class SimWorkers:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return web.json_response({"error": f"invalid body: {exc}"}, status=400)
         async with self._lock:
-            now = body.now if body.now is not None else self._now
-            self._now = max(self._now, now)
+            now = self._tick(body.now)
             result = self.sims[rank].serve(body.input_ids, now)
             self._flush(rank)
         page = self.config.sim.page_size
         return web.json_response({"rank": rank, "meta_info": {
             "prompt_tokens": len(body.input_ids),
+            "cached_tokens": (result.device_hit_pages + result.host_hit_pages + result.l3_hit_pages) * page,
             "cached_tokens_details": {"device": result.device_hit_pages * page, "host": result.host_hit_pages * page,
                                       "l3": result.l3_hit_pages * page},
             "recomputed_tokens": result.recomputed_tokens, "queue_s": result.queue_s, "ttft_s": result.ttft_s}})
@@ -174,7 +190,7 @@ class SimWorkers:
     async def advance(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read(), type=AdvanceBody)
         async with self._lock:
-            self._now = max(self._now, body.now)
+            self._tick(body.now)
             for rank, sim in enumerate(self.sims):
                 sim.advance(self._now)
                 self._flush(rank)

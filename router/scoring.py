@@ -32,12 +32,18 @@ class CandidateInputs:
     decode_load: int = 0  # active decode pages booked on the worker
 
 
+def credit_terms(overlap: TierOverlap, weights: ScoringWeights) -> tuple[float, float, float, float]:
+    """The cache credit's terms, in pages: device, host, disk, shared pool beyond the device prefix."""
+    return (weights.overlap_score_credit * overlap.device,
+            weights.host_cache_hit_weight * overlap.host,
+            weights.disk_cache_hit_weight * overlap.disk,
+            weights.shared_cache_multiplier * overlap.shared_beyond)
+
+
 def cache_credit(overlap: TierOverlap, weights: ScoringWeights) -> float:
     """Pages of prefill the worker's caches save for this request (the load-free part)."""
-    return (weights.overlap_score_credit * overlap.device
-            + weights.host_cache_hit_weight * overlap.host
-            + weights.disk_cache_hit_weight * overlap.disk
-            + weights.shared_cache_multiplier * overlap.shared_beyond)
+    device, host, disk, shared = credit_terms(overlap, weights)
+    return device + host + disk + shared
 
 
 def logit(request_pages: int, credit: float, prefill_load: int, decode_load: int,
@@ -46,9 +52,36 @@ def logit(request_pages: int, credit: float, prefill_load: int, decode_load: int
     return prefill_load_scale * adjusted + decode_load
 
 
+@dataclass(frozen=True)
+class ScoreTerms:
+    """Every term of one candidate's logit, as `logits()` computes it (`kvtier replay explain`
+    prints them): logit = prefill_load_scale * adjusted + decode_blocks, where
+    adjusted = max(prefill_blocks - credit, 0) and credit is the sum of the four credit terms."""
+
+    prefill_blocks: int  # request pages + the worker's queued prefill pages
+    device_credit: float
+    host_credit: float
+    disk_credit: float
+    shared_credit: float
+    credit: float
+    adjusted: float
+    decode_blocks: int  # the worker's active decode pages
+    logit: float
+
+
+def score_terms(request_pages: int, candidate: CandidateInputs, weights: ScoringWeights) -> ScoreTerms:
+    """One candidate's logit with its terms; `logits()` is built on it, so they cannot drift."""
+    device, host, disk, shared = credit_terms(candidate.overlap, weights)
+    credit = device + host + disk + shared
+    prefill_blocks = request_pages + candidate.prefill_load
+    value = logit(request_pages, credit, candidate.prefill_load, candidate.decode_load, weights.prefill_load_scale)
+    return ScoreTerms(prefill_blocks=prefill_blocks, device_credit=device, host_credit=host, disk_credit=disk,
+                      shared_credit=shared, credit=credit, adjusted=max(prefill_blocks - credit, 0.0),
+                      decode_blocks=candidate.decode_load, logit=value)
+
+
 def logits(request_pages: int, candidates: Sequence[CandidateInputs], weights: ScoringWeights) -> list[float]:
-    return [logit(request_pages, cache_credit(c.overlap, weights), c.prefill_load, c.decode_load,
-                  weights.prefill_load_scale) for c in candidates]
+    return [score_terms(request_pages, c, weights).logit for c in candidates]
 
 
 def choose(values: Sequence[float], temperature: float, u: float) -> int:

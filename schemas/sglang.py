@@ -24,10 +24,15 @@ class _MapEvent(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
     pass
 
 
+#: A page's tokens: ints, or [a, b] pairs when the radix keys are bigrams (EAGLE speculative
+#: decoding, whose pages SGLang publishes as token pairs).
+TokenIds = list[Union[int, list[int]]]
+
+
 class BlockStored(_MapEvent, tag="BlockStored"):
     block_hashes: list[WireBlockHash]
     parent_block_hash: Union[WireBlockHash, None]
-    token_ids: list[int]
+    token_ids: TokenIds
     block_size: int
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
@@ -60,7 +65,7 @@ class _ArrayEvent(msgspec.Struct, tag_field="type", array_like=True):
 class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
     block_hashes: list[WireBlockHash]
     parent_block_hash: Union[WireBlockHash, None]
-    token_ids: list[int]
+    token_ids: TokenIds
     block_size: int
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None

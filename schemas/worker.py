@@ -45,5 +45,10 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     #: the requests it routes to this worker.
     http_endpoint: str = ""
     replay_endpoint: str = ""
+    #: Whether the engine runs HiCache (a host-RAM tier, SGLang --enable-hierarchical-cache);
+    #: None when the bridge was not told. With HiCache on, host stores must appear in the
+    #: events (`kvtier doctor` checks it), and the write policy says when.
+    hicache_enabled: Union[bool, None] = None
+    hicache_write_policy: str = ""
     engine: str = "sglang"
     engine_version: str = ""

@@ -254,6 +254,7 @@ def test_mla_worker_is_discovered_over_http(sgl):
     assert (settings.model, settings.topic, settings.http_endpoint) == (MODEL, "", server.url)
     assert settings.engine_version == sglang_version()
     assert settings.notes == ()
+    assert (settings.hicache_enabled, settings.hicache_write_policy) == (True, info["hicache_write_policy"])
 
 
 @pytest.mark.parametrize("bind_host", ["*", "0.0.0.0", "[::]"])
@@ -353,6 +354,8 @@ def test_conflicting_flags_name_both_values(sgl):
                  "--mooncake-attention 'mha'", "is_mla_backend True", "--mooncake-key-prefix 'tenant1'", PREFIX]:
         assert part in message, (part, message)
     assert "--tp-size" not in message  # agreeing flags are fine
+    with pytest.raises(DiscoveryError, match="--hicache False but SGLang's enable_hierarchical_cache is True"):
+        discover("http://h:1", *replies, WorkerFlags(hicache_enabled=False))
     with pytest.raises(DiscoveryError, match="--hicache-storage-backend 'none' but SGLang's hicache_storage_backend"):
         discover("http://h:1", *replies, WorkerFlags(hicache_storage_backend="none"))
     settings = discover("http://h:1", *replies, WorkerFlags(page_size=64, dp_size=2, mooncake_attention="mla",

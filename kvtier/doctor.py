@@ -1,0 +1,1017 @@
+"""`kvtier doctor`: check a running deployment and say in plain words what is wrong and how to
+fix it (the troubleshooting table of the Dynamo tier-aware routing guide, made executable).
+
+Three layers:
+- observe (I/O at the edge): `observe()` reads NATS, Redis, each router's /healthz and /metrics
+  and the Mooncake master into plain views (`NatsView`, `RedisView`, `RouterView`,
+  `MooncakeView`), each probe bounded by a timeout; a probe that fails is recorded, not raised.
+- judge (pure): one small function per check turns views into `Finding`s (status ok / warn /
+  fail, a one-line finding, a fix). `diagnose()` runs them all; nothing there does I/O.
+- report: a compact table, then the problems with their fixes; `--json` adds one JSON object
+  as the last line. Exit 0 when nothing failed (a warning fails only with --strict), else 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+
+import msgspec
+
+from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
+from kvtier.schemas.subjects import (
+    DECISIONS_STREAM,
+    DLQ_STREAM,
+    EVENTS_PREFIX,
+    EVENTS_STREAM,
+    subject_token,
+)
+from kvtier.schemas.tiers import Tier
+from kvtier.schemas.worker import WorkerMetadata
+
+HOST_BIT = Tier.HOST.bit
+DEVICE_BIT = Tier.DEVICE.bit
+#: Dead letters whose reasons are quoted in the finding.
+LATEST_DEAD_LETTERS = 3
+#: A Mooncake probe key: never an SGLang page key, so the query answers OBJECT_NOT_FOUND.
+MOONCAKE_PROBE_KEY = "kvtier-doctor-probe"
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+class Finding(msgspec.Struct, frozen=True, kw_only=True):
+    """One judged fact. `check` is a stable id (nats, streams, redis, workers, events, tiers,
+    page_size, mooncake, router, hash_scheme, dead_letters); `subject` what it is about
+    (a URL, a stream, model/worker)."""
+
+    check: str
+    status: Status
+    subject: str = ""
+    finding: str
+    fix: str = ""
+
+
+# --- views: what the I/O edge observed ------------------------------------------------------
+class StreamView(msgspec.Struct, kw_only=True):
+    name: str
+    exists: bool
+    messages: int = 0
+    partitions: int | None = None
+
+
+class LastMessage(msgspec.Struct, kw_only=True):
+    """The newest message on a worker's events subject."""
+
+    kind: str  # "batch" | "announce" | "unreadable"
+    age_s: float
+    #: The batch's (epoch, seq), or the announcing bridge's cursor (last batch it published).
+    epoch: int = 0
+    seq: int = 0
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    subject: str
+    stage: str = ""
+    reason: str = ""
+    age_s: float | None = None
+
+
+class NatsView(msgspec.Struct, kw_only=True):
+    url: str
+    reachable: bool
+    error: str = ""
+    jetstream: bool = True
+    streams: dict[str, StreamView] = {}
+    latest_dead_letters: list[DeadLetter] = []
+    #: "model token/worker" -> newest message on that worker's subject (absent: none stored).
+    last_messages: dict[str, LastMessage] = {}
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    model: str  # the model token (as in Redis keys)
+    worker: str
+    lease_left_s: float | None = None
+    epoch: int = 0
+    seq: int = 0
+    stale: bool = False
+    stale_reason: str = ""
+    gaps: int = 0
+    applied_ago_s: float | None = None
+    pages: dict[str, int] = {}
+    #: OR of every tier bit the worker ever stored on; None when the processor does not record it.
+    tiers_seen: int | None = None
+    page_size: int | None = None
+    meta: WorkerMetadata | None = None
+    #: The metadata says HiCache is on (a Mooncake layout, or an explicit hicache flag).
+    hicache: bool = False
+    hash_check: HashCheck | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.worker}"
+
+    @property
+    def live(self) -> bool:
+        return self.lease_left_s is not None and self.lease_left_s > 0
+
+    @property
+    def tier_bits(self) -> int:
+        bits = self.tiers_seen or 0
+        for tier in Tier:
+            if self.pages.get(tier.value, 0) > 0:
+                bits |= tier.bit
+        return bits
+
+
+class RedisView(msgspec.Struct, kw_only=True):
+    url: str
+    reachable: bool
+    error: str = ""
+    #: Model tokens in Redis (`kvt:models`).
+    models: list[str] = []
+    #: The model asked for with --model (its token), if any.
+    requested_model: str | None = None
+    workers: list[WorkerView] = []
+
+
+class RouterView(msgspec.Struct, kw_only=True):
+    url: str
+    reachable: bool
+    error: str = ""
+    http_status: int = 0
+    healthz: dict = {}
+    #: router_shared_pool_errors_total by reason (None: /metrics unreadable).
+    shared_pool_errors: dict[str, float] | None = None
+    page_size_mismatches: float | None = None
+
+
+class MooncakeView(msgspec.Struct, kw_only=True):
+    url: str
+    reachable: bool
+    error: str = ""
+    detail: str = ""
+
+
+class Observation(msgspec.Struct, kw_only=True):
+    nats: NatsView
+    redis: RedisView
+    routers: list[RouterView] = []
+    mooncake: MooncakeView | None = None
+    events_window_s: float = 300.0
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f}s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _n(count: int, noun: str, plural: str = "") -> str:
+    return f"{count} {noun if count == 1 else (plural or noun + 's')}"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _by_model(workers: Iterable[WorkerView]) -> dict[str, list[WorkerView]]:
+    grouped: dict[str, list[WorkerView]] = {}
+    for w in workers:
+        grouped.setdefault(w.model, []).append(w)
+    return dict(sorted(grouped.items()))
+
+
+def _names(workers: Iterable[WorkerView], limit: int = 6) -> str:
+    names = [w.worker for w in workers]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def describe_stale(reason: str, gaps: int) -> tuple[str, str]:
+    """(why, fix) of a stale worker in plain words."""
+    if reason == "lease_expired":
+        return ("its lease expired: its bridge stopped announcing it, so its pages were removed",
+                ("restart the worker's `kvtier bridge` (or, if the worker is gone for good, ignore it: the "
+                 "record expires within a day)"))
+    why = (f"batches of it never reached the processor (a gap; {gaps} so far), so its state was cleared "
+           "and its bridge asked to resync" if gaps else
+           f"its state was cleared ({reason or 'no reason recorded'}) and its bridge asked to resync")
+    return (why, ("the bridge starts a new epoch by itself on the resync request; if the worker stays stale, "
+                  "check that its bridge runs, has --replay-endpoint, and reaches NATS (kvtier.control.*)"))
+
+
+# --- checks: pure functions of the views --------------------------------------------------------
+def check_nats(nats: NatsView) -> list[Finding]:
+    if not nats.reachable:
+        return [Finding(check="nats", status=Status.FAIL, subject=nats.url,
+                        finding=f"cannot reach NATS: {nats.error}",
+                        fix="start nats-server with JetStream (`nats-server -js`) or correct --nats; until it is "
+                            "back no event reaches Redis and routers see a frozen view")]
+    if not nats.jetstream:
+        return [Finding(check="nats", status=Status.FAIL, subject=nats.url,
+                        finding=f"NATS answers but JetStream is off ({nats.error})",
+                        fix="restart nats-server with -js (and -sd DIR for its storage)")]
+    return [Finding(check="nats", status=Status.OK, subject=nats.url, finding="reachable, JetStream on")]
+
+
+def check_streams(nats: NatsView, routers: list[RouterView] = ()) -> list[Finding]:
+    if not nats.reachable or not nats.jetstream:
+        return []
+    out = []
+    events = nats.streams.get(EVENTS_STREAM)
+    if events is None or not events.exists:
+        out.append(Finding(check="streams", status=Status.FAIL, subject=EVENTS_STREAM,
+                           finding="stream does not exist: no bridge or processor has used this NATS",
+                           fix="start `kvtier processor --nats URL --redis URL` (it creates the streams) and give "
+                               "every bridge the same --nats"))
+    else:
+        parts = f", {events.partitions} partitions" if events.partitions else ""
+        out.append(Finding(check="streams", status=Status.OK, subject=EVENTS_STREAM,
+                           finding=f"{_n(events.messages, 'message')}{parts}"))
+    dlq = nats.streams.get(DLQ_STREAM)
+    if dlq is None or not dlq.exists:
+        out.append(Finding(check="streams", status=Status.FAIL, subject=DLQ_STREAM,
+                           finding="dead-letter stream does not exist: bad input could not be set aside",
+                           fix="start a current `kvtier processor` or `kvtier bridge` (each creates it with the "
+                               "events stream)"))
+    else:
+        out.append(Finding(check="streams", status=Status.OK, subject=DLQ_STREAM,
+                           finding=f"exists ({_n(dlq.messages, 'dead letter')})"))
+    decisions = nats.streams.get(DECISIONS_STREAM)
+    logging_routers = [r.url for r in routers if r.reachable and (r.healthz.get("decision_log") or {}).get("enabled")]
+    if decisions is not None and decisions.exists:
+        out.append(Finding(check="streams", status=Status.OK, subject=DECISIONS_STREAM,
+                           finding=f"{_n(decisions.messages, 'routing decision')} logged"))
+    elif logging_routers:
+        out.append(Finding(check="streams", status=Status.WARN, subject=DECISIONS_STREAM,
+                           finding=f"missing although {', '.join(logging_routers)} log decisions",
+                           fix="check that those routers' --nats points at this NATS server"))
+    else:
+        out.append(Finding(check="streams", status=Status.OK, subject=DECISIONS_STREAM,
+                           finding="not present (optional: created by routers started with --nats)"))
+    return out
+
+
+def check_redis(redis_view: RedisView) -> list[Finding]:
+    if not redis_view.reachable:
+        return [Finding(check="redis", status=Status.FAIL, subject=redis_view.url,
+                        finding=f"cannot reach Redis: {redis_view.error} (worker, tier, page-size and hash checks "
+                                "skipped)",
+                        fix="start Redis or correct --redis; meanwhile processors hold events in JetStream and "
+                            "routers route by load only")]
+    models = ", ".join(redis_view.models) or "none yet"
+    return [Finding(check="redis", status=Status.OK, subject=redis_view.url,
+                    finding=f"reachable; models: {models}")]
+
+
+def check_workers(redis_view: RedisView) -> list[Finding]:
+    if not redis_view.reachable:
+        return []
+    if redis_view.requested_model and redis_view.requested_model not in redis_view.models:
+        known = ", ".join(redis_view.models) or "none"
+        return [Finding(check="workers", status=Status.FAIL, subject=redis_view.requested_model,
+                        finding=f"no worker of this model was ever registered (models in Redis: {known})",
+                        fix="start a `kvtier bridge --model <model>` per worker (the model name clients send) and "
+                            "a `kvtier processor` on the same NATS and Redis")]
+    if not redis_view.workers:
+        return [Finding(check="workers", status=Status.FAIL, subject="all models",
+                        finding="no workers registered in Redis",
+                        fix="start a `kvtier bridge` per SGLang worker and a `kvtier processor` on the same NATS "
+                            "and Redis (the processor records each worker the bridge announces)")]
+    out = []
+    for model, workers in _by_model(redis_view.workers).items():
+        live = [w for w in workers if w.live]
+        dead = [w for w in workers if not w.live]
+        if not live:
+            reasons = "; ".join(f"{w.worker}: {w.stale_reason or 'no lease'}" for w in dead[:4])
+            out.append(Finding(check="workers", status=Status.FAIL, subject=model,
+                               finding=f"no live workers: all {len(workers)} leases expired ({reasons})",
+                               fix="their bridges stopped announcing them: check each `kvtier bridge` is running "
+                                   "and reaches NATS, and that `kvtier processor` runs (it applies the heartbeats)"))
+            continue
+        stale_live = [w for w in live if w.stale]
+        healthy = len(live) - len(stale_live)
+        out.append(Finding(check="workers", status=Status.OK, subject=model,
+                           finding=f"{healthy} of {len(workers)} workers live and current"
+                                   + (f" (live: {_names(live)})" if live else "")))
+        for w in stale_live:
+            why, fix = describe_stale(w.stale_reason, w.gaps)
+            out.append(Finding(check="workers", status=Status.WARN, subject=w.key,
+                               finding=f"stale, routers skip it: {why}", fix=fix))
+        for w in dead:
+            why, fix = describe_stale(w.stale_reason or "lease_expired", w.gaps)
+            out.append(Finding(check="workers", status=Status.WARN, subject=w.key,
+                               finding=f"not live: {why}", fix=fix))
+    return out
+
+
+def _ahead(last: LastMessage, w: WorkerView) -> bool:
+    """The stream holds a batch of this worker that Redis has not applied."""
+    return last.seq >= 1 and (last.epoch, last.seq) > (w.epoch, w.seq)
+
+
+def check_events(redis_view: RedisView, nats: NatsView, window_s: float) -> list[Finding]:
+    if not redis_view.reachable:
+        return []
+    out = []
+    for model, workers in _by_model(redis_view.workers).items():
+        live = [w for w in workers if w.live and not w.stale]
+        flowing = []
+        for w in live:
+            if w.applied_ago_s is not None and w.applied_ago_s <= window_s:
+                flowing.append(w)
+                continue
+            last = nats.last_messages.get(w.key) if nats.reachable else None
+            applied = f"last applied {_ago(w.applied_ago_s)}" if w.applied_ago_s is not None else "none applied yet"
+            if last is not None and _ahead(last, w):
+                out.append(Finding(
+                    check="events", status=Status.FAIL, subject=w.key,
+                    finding=f"events reach NATS but are not applied: the stream holds {last.epoch}:{last.seq}, "
+                            f"Redis has {w.epoch}:{w.seq} ({applied})",
+                    fix="check that `kvtier processor` runs against this NATS and Redis, that its --partitions "
+                        "cover every partition, and read its log for errors"))
+                continue
+            quiet_engine = ("if the worker serves requests, its engine publishes nothing the bridge receives: "
+                            "check SGLang's --kv-events-config (publisher zmq; its endpoint must be the bridge's "
+                            "--endpoint, port + DP rank; same --topic)")
+            if last is not None:
+                finding = (f"no KV events in the last {window_s:g}s ({applied}); its bridge is alive (last "
+                           f"message {_ago(last.age_s)}), so the engine is idle or not publishing")
+            elif nats.reachable:
+                finding = f"no KV events in the last {window_s:g}s ({applied}) and no message on its subject"
+            else:
+                finding = f"no KV events in the last {window_s:g}s ({applied})"
+            out.append(Finding(check="events", status=Status.WARN, subject=w.key, finding=finding, fix=quiet_engine))
+        if flowing and len(flowing) == len(live):
+            out.append(Finding(check="events", status=Status.OK, subject=model,
+                               finding=f"all {len(live)} live workers applied events within {window_s:g}s"))
+        elif flowing:
+            out.append(Finding(check="events", status=Status.OK, subject=model,
+                               finding=f"{len(flowing)} of {len(live)} live workers applied events within "
+                                       f"{window_s:g}s"))
+    return out
+
+
+_HICACHE_FIX = ("rebuild SGLang with sgl-project/sglang#22894 (emit KV events for L2 host cache insertions); "
+                "with --hicache-write-policy write_back host copies appear only after device evictions, so "
+                "recheck under load")
+
+
+def check_tiers(redis_view: RedisView) -> list[Finding]:
+    """Did workers with HiCache on ever report a host tier? If every event said GPU, the engine
+    lacks the tier-annotated events (the guide's "events always carry only medium=GPU")."""
+    if not redis_view.reachable:
+        return []
+    any_layout = any(w.meta is not None and w.meta.mooncake is not None for w in redis_view.workers)
+    out = []
+    for model, workers in _by_model(redis_view.workers).items():
+        live = [w for w in workers if w.live]
+        stored = [w for w in live if w.tier_bits]
+        with_host = [w for w in stored if w.tier_bits & ~DEVICE_BIT]
+        gpu_only = [w for w in stored if not w.tier_bits & ~DEVICE_BIT]
+        problems = []
+        for w in gpu_only:
+            unknown = w.tiers_seen is None
+            since = "" if unknown else " ever"
+            if w.hicache or any_layout:
+                why = ("its metadata says HiCache is on" if w.hicache
+                       else "workers of this deployment advertise a Mooncake layout (HiCache on)")
+                status = Status.WARN if unknown else Status.FAIL
+                problems.append(Finding(
+                    check="tiers", status=status, subject=w.key,
+                    finding=f"{why}, but every page it{since} stored was on GPU (no host tier"
+                            f"{' now; this processor does not record tiers_seen' if unknown else ' ever'}): the "
+                            f"SGLang build lacks the tier events of sglang#22894",
+                    fix=_HICACHE_FIX))
+            elif with_host:
+                problems.append(Finding(
+                    check="tiers", status=Status.WARN, subject=w.key,
+                    finding=f"only GPU pages{since} while {_names(with_host, 3)} report a host tier: a mixed "
+                            "fleet (HiCache off here, or an SGLang build without sglang#22894)",
+                    fix="run every worker of a model with the same --enable-hierarchical-cache setting; " + _HICACHE_FIX))
+        out.extend(problems)
+        if not problems:
+            if with_host:
+                text = f"host tier reported by {len(with_host)} of {len(live)} live workers"
+            elif stored:
+                text = f"{_n(len(stored), 'live worker')} {'stores' if len(stored) == 1 else 'store'} on GPU only " \
+                       "(HiCache not announced)"
+            else:
+                text = "no pages stored yet (cannot tell which tiers the engines report)"
+            out.append(Finding(check="tiers", status=Status.OK, subject=model, finding=text))
+    return out
+
+
+def _router_page_size(router: RouterView) -> tuple[bool, int | None]:
+    """(whether the router reports its --page-size, the size: None = trusts each worker's)."""
+    if "page_size" not in router.healthz:
+        return False, None
+    value = router.healthz.get("page_size")
+    return True, int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_page_sizes(redis_view: RedisView, routers: list[RouterView]) -> list[Finding]:
+    if not redis_view.reachable:
+        return []
+    out = []
+    reachable = [r for r in routers if r.reachable and r.http_status == 200 and not r.error]
+    silent = [r.url for r in reachable if not _router_page_size(r)[0]]
+    for model, workers in _by_model(redis_view.workers).items():
+        live = [w for w in workers if w.live and w.page_size]
+        sizes: dict[int, list[WorkerView]] = {}
+        for w in live:
+            sizes.setdefault(w.page_size, []).append(w)
+        if len(sizes) > 1:
+            listing = "; ".join(f"{size} ({_names(ws, 4)})" for size, ws in sorted(sizes.items()))
+            out.append(Finding(
+                check="page_size", status=Status.FAIL, subject=model,
+                finding=f"workers of one model announce different page sizes: {listing}",
+                fix="run every worker of a model with the same SGLang --page-size and give each bridge that "
+                    "--page-size (routers hash requests at each worker's size; a worker with a different size "
+                    "shares no pages with the others and gets no shared-pool credit from a router with --page-size)"))
+        worker_sizes = set(sizes)
+        router_problem = False
+        for r in reachable:
+            known, size = _router_page_size(r)
+            if known and size is not None and worker_sizes and worker_sizes != {size}:
+                router_problem = True
+                differing = sorted(worker_sizes - {size})
+                others = ", ".join(str(s) for s in differing)
+                out.append(Finding(
+                    check="page_size", status=Status.FAIL, subject=f"{r.url} / {model}",
+                    finding=f"router has --page-size {size} but workers of {model} use {others}: it gives them no "
+                            "shared-pool credit",
+                    fix=f"start the router with --page-size {differing[0]} (the workers' --page-size), or "
+                        "without --page-size to trust each worker's announced size"))
+        if len(sizes) == 1 and not router_problem:
+            (size,) = sizes
+            note = f"; routers {', '.join(silent)} do not report their --page-size" if silent else ""
+            out.append(Finding(check="page_size", status=Status.OK, subject=model,
+                               finding=f"all {len(live)} live workers use page size {size}{note}"))
+    for r in reachable:
+        if r.page_size_mismatches:
+            out.append(Finding(
+                check="page_size", status=Status.WARN, subject=r.url,
+                finding=f"router skipped workers {r.page_size_mismatches:.0f} times for shared-pool credit because "
+                        "their page size differs from its --page-size (router_page_size_mismatch_total)",
+                fix="make the router's --page-size equal to the workers' --page-size, or drop it"))
+    return out
+
+
+def check_mooncake(mooncake: MooncakeView | None, redis_view: RedisView,
+                   routers: list[RouterView]) -> list[Finding]:
+    out = []
+    live = [w for w in redis_view.workers if w.live] if redis_view.reachable else []
+    with_layout = [w for w in live if w.meta is not None and w.meta.mooncake is not None]
+    shared_routers = [r.url for r in routers
+                      if r.reachable and (r.healthz.get("shared_pool") or {}).get("enabled")]
+    wanted = bool(with_layout or shared_routers)
+    if mooncake is not None:
+        if mooncake.reachable:
+            out.append(Finding(check="mooncake", status=Status.OK, subject=mooncake.url,
+                               finding=f"master answers ({mooncake.detail})" if mooncake.detail else "master answers"))
+        else:
+            users = (f"{len(with_layout)} workers advertise a Mooncake layout" if with_layout
+                     else f"routers {', '.join(shared_routers)} query the shared pool" if shared_routers else "")
+            out.append(Finding(
+                check="mooncake", status=Status.FAIL if wanted else Status.WARN, subject=mooncake.url,
+                finding=f"cannot reach the Mooncake master: {mooncake.error}"
+                        + (f"; {users}, so routers score without the shared pool (router_shared_cache_hit_rate "
+                           "stays 0)" if users else ""),
+                fix="check that mooncake_master runs with --metrics_port (its HTTP port, serving "
+                    "/batch_query_keys) and the network path from the router hosts to it; routers log 'shared "
+                    "pool query failed' meanwhile"))
+    if not redis_view.reachable:
+        return out
+    subject = redis_view.requested_model or "all models"
+    if with_layout:
+        layouts = sorted({f"{w.meta.mooncake.attention.value} tp={w.meta.mooncake.tp_size}"
+                          f" pp={w.meta.mooncake.pp_size}" for w in with_layout})
+        unchecked = "; master not checked (give --mooncake-master)" if mooncake is None else ""
+        out.append(Finding(check="mooncake", status=Status.OK, subject=subject,
+                           finding=f"{len(with_layout)} of {len(live)} live workers advertise a Mooncake layout "
+                                   f"({'; '.join(layouts)}){unchecked}"))
+        routers_ok = [r for r in routers if r.reachable]
+        if routers_ok and not shared_routers:
+            out.append(Finding(
+                check="mooncake", status=Status.WARN, subject=", ".join(r.url for r in routers_ok),
+                finding="workers have HiCache with Mooncake, but no router asks the shared pool "
+                        "(--shared-cache-type is none)",
+                fix="start the routers with --shared-cache-type hicache --mooncake-master http://MASTER:METRICS_PORT"))
+    elif mooncake is not None or shared_routers:
+        out.append(Finding(
+            check="mooncake", status=Status.WARN, subject=subject,
+            finding="no workers have HiCache enabled: none of the live workers advertises a Mooncake layout",
+            fix="start the workers with --hicache-storage-backend mooncake (and give each `kvtier bridge` the "
+                "same flag: it announces the key layout routers need)"))
+    elif not out:
+        out.append(Finding(check="mooncake", status=Status.OK, subject=subject,
+                           finding="shared pool not in use (no worker advertises a Mooncake layout; no "
+                                   "--mooncake-master given)"))
+    return out
+
+
+def check_routers(routers: list[RouterView]) -> list[Finding]:
+    out = []
+    for r in routers:
+        if not r.reachable:
+            out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
+                               finding=f"cannot reach the router: {r.error}",
+                               fix="check the `kvtier router` process and the --router URL (its --host/--http-port)"))
+            continue
+        if r.http_status != 200 or r.error:
+            out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
+                               finding=f"/healthz answered HTTP {r.http_status}, {r.error}",
+                               fix="is this a kvtier router? check the --router URL (its --host and --http-port)"))
+            continue
+        h = r.healthz
+        state = h.get("state_store") or {}
+        shared = h.get("shared_pool") or {}
+        log = h.get("decision_log") or {}
+        errors = r.shared_pool_errors or {}
+        error_note = (" (shared-pool errors so far: "
+                      + ", ".join(f"{k}={v:.0f}" for k, v in sorted(errors.items())) + ")") if any(errors.values()) else ""
+        problems = 0
+        if state and not state.get("ok", True):
+            problems += 1
+            out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
+                               finding=f"router cannot reach Redis ({_short(str(state.get('error', '')), 120)}): it "
+                                       "routes by load/round robin only",
+                               fix="check the router's --redis URL and the network path to Redis"))
+        if shared.get("last_error"):
+            problems += 1
+            message = str(shared["last_error"])
+            timeout = "no answer within" in message
+            out.append(Finding(
+                check="router", status=Status.WARN if timeout else Status.FAIL, subject=r.url,
+                finding=f"shared-pool queries fail ({_short(message, 120)}): it scores without the shared pool"
+                        + error_note,
+                fix=("the master is slow: raise --shared-cache-timeout-ms or check the master's load" if timeout else
+                     "check that the router's --mooncake-master (the master's HTTP metrics port) is reachable from "
+                     "the router host")))
+        if log.get("enabled") and not log.get("connected"):
+            problems += 1
+            out.append(Finding(check="router", status=Status.WARN, subject=r.url,
+                               finding="router cannot publish its decision log (not connected to NATS)",
+                               fix="check the router's --nats URL"))
+        if problems:
+            continue
+        parts = [str(h.get("routing", "routing")),
+                 "shared pool " + ("on" if shared.get("enabled") else "off"),
+                 "decision log " + ("on" if log.get("enabled") else "off")]
+        known, size = _router_page_size(r)
+        if known:
+            parts.append(f"page size {size}" if size else "page size: each worker's")
+        hash_note = ""
+        if (h.get("hash_scheme") or {}).get("ok") is False:
+            hash_note = "; degraded by workers failing the hash check (see hash_scheme)"
+        out.append(Finding(check="router", status=Status.OK, subject=r.url,
+                           finding=f"{h.get('status', '?')}: " + ", ".join(parts) + error_note + hash_note))
+    return out
+
+
+_HASH_FIXES = {
+    HashMismatchKind.SCHEME.value: "run an SGLang whose page hashes are the sha256 page chain (0.5.6 or later); "
+                                   "until then routers match none of this worker's pages",
+    HashMismatchKind.NAMESPACE.value: "requests with a LoRA adapter or cache salt get namespaced hashes routers "
+                                      "cannot compute: expect load-only placement for them, or drop the salt",
+    HashMismatchKind.PAGE_SIZE.value: "give the worker's bridge --page-size equal to SGLang's --page-size",
+}
+
+
+def check_hash_scheme(redis_view: RedisView) -> list[Finding]:
+    if not redis_view.reachable:
+        return []
+    out = []
+    for model, workers in _by_model(redis_view.workers).items():
+        checks = [(w, w.hash_check) for w in workers if w.live and w.hash_check is not None]
+        bad = [(w, c) for w, c in checks if c.mismatched > 0]
+        for w, c in bad:
+            kinds = ", ".join(f"{k}: {n}" for k, n in sorted(c.mismatch_kinds.items())) or "unknown kind"
+            main_kind = max(c.mismatch_kinds.items(), key=lambda kv: kv[1])[0] if c.mismatch_kinds else ""
+            out.append(Finding(
+                check="hash_scheme", status=Status.FAIL, subject=w.key,
+                finding=f"{c.mismatched} of {c.checked} checked pages have hashes kvtier cannot reproduce ({kinds}): "
+                        f"{c.explanation or 'no explanation recorded'}",
+                fix=_HASH_FIXES.get(main_kind, "compare the engine's hashing with SGLang's sha256 page chain")))
+        if bad:
+            continue
+        if not checks:
+            out.append(Finding(check="hash_scheme", status=Status.OK, subject=model,
+                               finding="no hash checks recorded (processor without --hash-check, bridges with "
+                                       "--drop-token-ids, or nothing stored yet)"))
+            continue
+        checked = sum(c.checked for _, c in checks)
+        unverifiable = sum(c.unverifiable for _, c in checks)
+        if checked:
+            text = (f"{_n(checked, 'page')} of {_n(len(checks), 'worker')} checked, all match SGLang's hash"
+                    + (f" ({unverifiable} unverifiable)" if unverifiable else ""))
+        elif unverifiable:
+            text = (f"no page verifiable yet ({unverifiable} stored without token ids or with a parent this "
+                    "processor never saw)")
+        else:
+            text = "no stored page checked yet"
+        out.append(Finding(check="hash_scheme", status=Status.OK, subject=model, finding=text))
+    return out
+
+
+def check_dead_letters(nats: NatsView) -> list[Finding]:
+    if not nats.reachable or not nats.jetstream:
+        return []
+    dlq = nats.streams.get(DLQ_STREAM)
+    if dlq is None or not dlq.exists:
+        return []
+    if dlq.messages == 0:
+        return [Finding(check="dead_letters", status=Status.OK, subject=DLQ_STREAM, finding="no dead letters")]
+    latest = nats.latest_dead_letters[0] if nats.latest_dead_letters else None
+    reasons = "; ".join(
+        f"[{d.stage or '?'} {d.subject.split('.', 3)[-1] if d.subject.count('.') >= 3 else d.subject}] "
+        f"{_short(d.reason or 'no reason header', 140)}" for d in nats.latest_dead_letters)
+    when = f", latest {_ago(latest.age_s)}" if latest is not None and latest.age_s is not None else ""
+    return [Finding(
+        check="dead_letters", status=Status.WARN, subject=DLQ_STREAM,
+        finding=f"{_n(dlq.messages, 'dead letter')}{when}: {reasons}",
+        fix="malformed input was set aside (the rest still applied): fix the producer named in each subject "
+            "(stage.model.worker); read them with `nats stream view KVTIER_DLQ`, then `nats stream purge KVTIER_DLQ`")]
+
+
+def diagnose(obs: Observation) -> list[Finding]:
+    return [
+        *check_nats(obs.nats),
+        *check_streams(obs.nats, obs.routers),
+        *check_redis(obs.redis),
+        *check_workers(obs.redis),
+        *check_events(obs.redis, obs.nats, obs.events_window_s),
+        *check_tiers(obs.redis),
+        *check_page_sizes(obs.redis, obs.routers),
+        *check_mooncake(obs.mooncake, obs.redis, obs.routers),
+        *check_routers(obs.routers),
+        *check_hash_scheme(obs.redis),
+        *check_dead_letters(obs.nats),
+    ]
+
+
+def exit_code(findings: Iterable[Finding], strict: bool = False) -> int:
+    statuses = {f.status for f in findings}
+    if Status.FAIL in statuses or (strict and Status.WARN in statuses):
+        return 1
+    return 0
+
+
+# --- report ------------------------------------------------------------------------------------
+def counts(findings: list[Finding]) -> dict[str, int]:
+    return {s.value: sum(1 for f in findings if f.status == s) for s in Status}
+
+
+def render(findings: list[Finding], strict: bool = False, width: int = 120) -> str:
+    subject_w = min(max((len(f.subject) for f in findings), default=7), 34)
+    lines = [f"{'STATUS':<6} {'CHECK':<12} {'SUBJECT':<{subject_w}} FINDING"]
+    room = max(30, width - 6 - 12 - subject_w - 3)
+    for f in findings:
+        label = f.status.value if f.status == Status.OK else f.status.value.upper()
+        subject = f.subject if len(f.subject) <= subject_w else f.subject[: subject_w - 1] + "…"
+        lines.append(f"{label:<6} {f.check:<12} {subject:<{subject_w}} {_short(f.finding, room)}")
+    problems = [f for f in findings if f.status != Status.OK]
+    problems.sort(key=lambda f: f.status != Status.FAIL)
+    if problems:
+        lines.append("")
+        lines.append(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:")
+        for f in problems:
+            lines.append(f"- {f.status.value.upper()} {f.check} {f.subject}: {f.finding}")
+            if f.fix:
+                lines.append(f"  fix: {f.fix}")
+    c = counts(findings)
+    code = exit_code(findings, strict)
+    verdict = "FAIL" if c["fail"] else ("WARN" if c["warn"] else "OK")
+    lines.append("")
+    lines.append(f"kvtier doctor: {verdict} ({c['fail']} failed, {c['warn']} "
+                 f"warning{'' if c['warn'] == 1 else 's'}, {c['ok']} ok; exit {code})")
+    return "\n".join(lines)
+
+
+def report_json(findings: list[Finding], strict: bool = False) -> str:
+    code = exit_code(findings, strict)
+    return json.dumps({
+        "ok": code == 0, "exit_code": code, "strict": strict, "counts": counts(findings),
+        "findings": msgspec.to_builtins(findings),
+    })
+
+
+# --- observe: the I/O edge ---------------------------------------------------------------------
+def _err(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
+        exc = exc.reason if isinstance(exc.reason, BaseException) else exc
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower() if isinstance(exc, ConnectionError) else exc.strerror
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return "timed out"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _hicache_on(meta: WorkerMetadata) -> bool:
+    """Whether a worker's metadata says HiCache is on: announced by its bridge (--hicache, or
+    read from SGLang with --sglang-url), or implied by a Mooncake layout (an L3 backend needs
+    the host tier)."""
+    return bool(meta.hicache_enabled) or meta.mooncake is not None
+
+
+def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
+    import redis
+
+    from kvtier.consumers.apply import as_text
+    from kvtier.inspect import collect
+    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    token = ModelKeys.for_model(model).model_token if model else None
+    try:
+        client.ping()
+        models = sorted(as_text(t) for t in client.smembers(MODELS_KEY))
+        rows = collect(client, model) if (token is None or token in models) else []
+        workers = []
+        by_model: dict[str, list[dict]] = {}
+        for row in rows:
+            by_model.setdefault(row["model"], []).append(row)
+        for model_token, model_rows in by_model.items():
+            keys = ModelKeys(model_token)
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(keys.page_sizes)
+            pipe.hgetall(keys.hash_check)
+            for row in model_rows:
+                pipe.hget(keys.state(row["worker"]), "tiers_seen")
+                pipe.get(keys.meta(row["worker"]))
+            replies = pipe.execute()
+            page_sizes = {as_text(k): as_text(v) for k, v in replies[0].items()}
+            hash_checks = {as_text(k): v for k, v in replies[1].items()}
+            for i, row in enumerate(model_rows):
+                tiers_seen, raw_meta = replies[2 + 2 * i], replies[3 + 2 * i]
+                workers.append(_worker_view(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
+                                            hash_checks.get(row["worker"])))
+        return RedisView(url=url, reachable=True, models=models, requested_model=token, workers=workers)
+    except redis.RedisError as exc:
+        return RedisView(url=url, reachable=False, error=str(exc).strip() or _err(exc), requested_model=token)
+    finally:
+        client.close()
+
+
+def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> WorkerView:
+    meta, hicache, size = None, False, None
+    if raw_meta:
+        try:
+            meta = msgspec.json.decode(raw_meta, type=WorkerMetadata)
+            hicache = _hicache_on(meta)
+            size = meta.page_size
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    if page_size:
+        try:
+            size = int(page_size)
+        except ValueError:
+            pass
+    check = None
+    if raw_check:
+        try:
+            check = decode_hash_check(raw_check)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    return WorkerView(
+        model=row["model"], worker=row["worker"], lease_left_s=row["lease_left_s"], epoch=row["epoch"],
+        seq=row["seq"], stale=row["stale"], stale_reason=row["stale_reason"], gaps=row["gaps"],
+        applied_ago_s=row["applied_ago_s"], pages=row["pages"],
+        tiers_seen=int(tiers_seen) if tiers_seen is not None else None,
+        page_size=size, meta=meta, hicache=hicache, hash_check=check)
+
+
+async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> NatsView:
+    import nats
+    import nats.js.errors
+
+    from kvtier.schemas.events import EventBatch, WorkerAnnounce, decode_message
+    from kvtier.streams import partitions_of
+
+    async def quiet(exc: Exception) -> None:
+        return None
+
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(url, connect_timeout=timeout, allow_reconnect=False, max_reconnect_attempts=1,
+                         reconnect_time_wait=0.1, error_cb=quiet, name="kvtier-doctor"), timeout + 1)
+    except Exception as exc:  # noqa: BLE001 - any failure to connect is the finding
+        error = ("no server answers there (refused, or not a NATS port)" if type(exc).__name__ == "NoServersError"
+                 else _err(exc))
+        return NatsView(url=url, reachable=False, error=error)
+    view = NatsView(url=url, reachable=True)
+    try:
+        js = nc.jetstream(timeout=timeout)
+        try:
+            await js.account_info()
+        except Exception as exc:  # noqa: BLE001 - JetStream off or not answering
+            view.jetstream, view.error = False, _err(exc)
+            return view
+        now = time.time()
+        for name in (EVENTS_STREAM, DLQ_STREAM, DECISIONS_STREAM):
+            try:
+                info = await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                view.streams[name] = StreamView(name=name, exists=False)
+                continue
+            partitions = None
+            if name == EVENTS_STREAM:
+                try:
+                    partitions = partitions_of(info.config)
+                except Exception:  # noqa: BLE001 - reported as unknown
+                    partitions = None
+            view.streams[name] = StreamView(name=name, exists=True, messages=info.state.messages,
+                                            partitions=partitions)
+            if name == DLQ_STREAM and info.state.messages:
+                seq = info.state.last_seq
+                while seq >= info.state.first_seq and len(view.latest_dead_letters) < LATEST_DEAD_LETTERS:
+                    try:
+                        msg = await js.get_msg(DLQ_STREAM, seq)
+                    except nats.js.errors.NotFoundError:  # deleted in between
+                        seq -= 1
+                        continue
+                    headers = msg.headers or {}
+                    view.latest_dead_letters.append(DeadLetter(
+                        subject=msg.subject or "", stage=headers.get("Kvtier-Stage", ""),
+                        reason=headers.get("Kvtier-Reason", ""),
+                        age_s=now - msg.time.timestamp() if msg.time else None))
+                    seq -= 1
+        if view.streams.get(EVENTS_STREAM, StreamView(name="", exists=False)).exists:
+            for w in workers:
+                subject = f"{EVENTS_PREFIX}.{w.model}.{subject_token(w.worker)}.*"
+                try:
+                    msg = await js.get_last_msg(EVENTS_STREAM, subject)
+                except nats.js.errors.NotFoundError:
+                    continue
+                age = now - msg.time.timestamp() if msg.time else 0.0
+                try:
+                    message = decode_message(msg.data)
+                except Exception:  # noqa: BLE001 - an undecodable message is dead-lettered by the processor
+                    view.last_messages[w.key] = LastMessage(kind="unreadable", age_s=age)
+                    continue
+                if isinstance(message, EventBatch):
+                    last = LastMessage(kind="batch", age_s=age, epoch=message.epoch, seq=message.seq)
+                elif isinstance(message, WorkerAnnounce):
+                    last = LastMessage(kind="announce", age_s=age, epoch=message.cursor.epoch, seq=message.cursor.seq)
+                else:
+                    last = LastMessage(kind="unreadable", age_s=age)
+                view.last_messages[w.key] = last
+    except Exception as exc:  # noqa: BLE001 - NATS went away mid-check
+        view.reachable, view.error = False, _err(exc)
+    finally:
+        with contextlib.suppress(Exception):  # closing is best effort
+            await asyncio.wait_for(nc.close(), timeout)
+    return view
+
+
+def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"User-Agent": "kvtier-doctor"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read(1 << 22)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(4096)
+
+
+_SAMPLE = re.compile(r'^(router_shared_pool_errors_total|router_page_size_mismatch_total)(\{[^}]*\})?\s+(\S+)')
+
+
+def parse_router_metrics(text: str) -> tuple[dict[str, float], float]:
+    """(router_shared_pool_errors_total by reason, router_page_size_mismatch_total)."""
+    errors: dict[str, float] = {}
+    mismatches = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if name == "router_page_size_mismatch_total":
+            mismatches += number
+        else:
+            reason = re.search(r'reason="([^"]*)"', labels or "")
+            key = reason.group(1) if reason else ""
+            errors[key] = errors.get(key, 0.0) + number
+    return errors, mismatches
+
+
+def observe_router(url: str, timeout: float) -> RouterView:
+    base = url.rstrip("/")
+    try:
+        status, body = _http_get(base + "/healthz", timeout)
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL: all the same finding
+        return RouterView(url=url, reachable=False, error=_err(exc))
+    view = RouterView(url=url, reachable=True, http_status=status)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        view.healthz = parsed
+    else:
+        view.error = "not a JSON object: " + (_short(body.decode(errors="replace"), 100) or "empty body")
+    with contextlib.suppress(Exception):  # metrics are extra detail
+        metrics_status, metrics = _http_get(base + "/metrics", timeout)
+        if metrics_status == 200:
+            view.shared_pool_errors, view.page_size_mismatches = parse_router_metrics(metrics.decode(errors="replace"))
+    return view
+
+
+def observe_mooncake(url: str, timeout: float) -> MooncakeView:
+    parsed = urllib.parse.urlsplit(url)
+    probe = url if parsed.path not in ("", "/") else f"{url.rstrip('/')}/batch_query_keys?keys={MOONCAKE_PROBE_KEY}"
+    try:
+        status, body = _http_get(probe, timeout)
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL
+        return MooncakeView(url=url, reachable=False, error=_err(exc))
+    if status != 200:
+        return MooncakeView(url=url, reachable=False,
+                            error=f"GET {probe} answered HTTP {status}: is this the master's metrics port?")
+    if "/batch_query_keys" in probe:
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            return MooncakeView(url=url, reachable=False,
+                                error=f"GET {probe} did not answer JSON: is this the master's metrics port?")
+        if not isinstance(reply, dict) or "success" not in reply:
+            return MooncakeView(url=url, reachable=False, error=f"GET {probe} answered an unexpected body")
+        return MooncakeView(url=url, reachable=True, detail="/batch_query_keys answers")
+    return MooncakeView(url=url, reachable=True, detail=f"GET {parsed.path} answers HTTP 200")
+
+
+async def observe(nats_url: str, redis_url: str, routers: list[str], mooncake_master: str = "",
+                  model: str | None = None, events_window_s: float = 300.0, timeout: float = 3.0) -> Observation:
+    side = [asyncio.to_thread(observe_router, url, timeout) for url in routers]
+    if mooncake_master:
+        side.append(asyncio.to_thread(observe_mooncake, mooncake_master, timeout))
+    side_task = asyncio.gather(*side)
+    redis_view = await asyncio.to_thread(observe_redis, redis_url, model, timeout)
+    nats_view = await observe_nats(nats_url, redis_view.workers, timeout)
+    if redis_view.reachable:
+        await asyncio.to_thread(_confirm_behind, redis_view, nats_view, redis_url, timeout)
+    results = await side_task
+    router_views = list(results[: len(routers)])
+    mooncake_view = results[len(routers)] if mooncake_master else None
+    return Observation(nats=nats_view, redis=redis_view, routers=router_views, mooncake=mooncake_view,
+                       events_window_s=events_window_s)
+
+
+def _confirm_behind(redis_view: RedisView, nats_view: NatsView, redis_url: str, timeout: float) -> None:
+    """Redis was read before NATS: a worker whose stream cursor looks ahead may simply have
+    published in between. Re-read those workers' (epoch, seq, applied_ms) once."""
+    import redis
+
+    from kvtier.consumers.apply import as_text
+    from kvtier.schemas.state_keys import ModelKeys
+
+    suspects = [w for w in redis_view.workers
+                if w.key in nats_view.last_messages and _ahead(nats_view.last_messages[w.key], w)]
+    if not suspects:
+        return
+    client = redis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        for w in suspects:
+            epoch, seq, applied = client.hmget(ModelKeys(w.model).state(w.worker), "epoch", "seq", "applied_ms")
+            w.epoch, w.seq = int(as_text(epoch or b"0")), int(as_text(seq or b"0"))
+            if applied:
+                w.applied_ago_s = max(0.0, time.time() - float(as_text(applied)) / 1000)
+    except redis.RedisError:
+        pass
+    finally:
+        client.close()
+
+
+def run_doctor(args) -> int:
+    import logging
+
+    logging.getLogger("nats").setLevel(logging.CRITICAL)  # connection errors are findings here
+    obs = asyncio.run(observe(args.nats, args.redis, list(args.router or []), args.mooncake_master or "",
+                              args.model or None, args.events_window, args.timeout))
+    findings = diagnose(obs)
+    print(render(findings, args.strict), flush=True)
+    if args.json:
+        print(report_json(findings, args.strict), flush=True)
+    return exit_code(findings, args.strict)
