@@ -26,6 +26,7 @@ import redis.asyncio
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
+from kvtier.connections import redact, redis_async_client, redis_client
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
@@ -82,18 +83,11 @@ class ProcessorConfig:
     hash_check_budget: float = DEFAULT_BUDGET_PAGES_PER_S
 
 
-def _redact(url: str) -> str:
-    """A URL without its password, for logs."""
-    import re
-
-    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
 class Processor:
     def __init__(self, config: ProcessorConfig):
         self.cfg = config
-        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, health_check_interval=5)
-        self.redis_async = redis.asyncio.Redis.from_url(config.redis_url, socket_timeout=10, health_check_interval=5)
+        self.redis = redis_client(config.redis_url, socket_timeout=10, health_check_interval=5)
+        self.redis_async = redis_async_client(config.redis_url, socket_timeout=10, health_check_interval=5)
         self.writer = TierStateWriter(self.redis, self.redis_async)
         self.nc = None
         self.js = None
@@ -149,7 +143,7 @@ class Processor:
                 await self.redis_async.ping()
                 return True
             except redis.RedisError as exc:
-                log.warning("cannot reach Redis at %s (%s); retrying in 1s", _redact(self.cfg.redis_url), exc)
+                log.warning("cannot reach Redis at %s (%s); retrying in 1s", redact(self.cfg.redis_url), exc)
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from kvtier.connections import redis_client
 from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
 from kvtier.schemas.subjects import (
     DECISIONS_STREAM,
@@ -741,7 +742,7 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
     from kvtier.inspect import collect
     from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
 
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = redis_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     token = ModelKeys.for_model(model).model_token if model else None
     try:
         client.ping()
@@ -991,7 +992,7 @@ def _confirm_behind(redis_view: RedisView, nats_view: NatsView, redis_url: str, 
                 if w.key in nats_view.last_messages and _ahead(nats_view.last_messages[w.key], w)]
     if not suspects:
         return
-    client = redis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = redis_client(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         for w in suspects:
             epoch, seq, applied = client.hmget(ModelKeys(w.model).state(w.worker), "epoch", "seq", "applied_ms")

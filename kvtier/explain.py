@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvtier.connections import redis_async_client
 from kvtier.replay import (
     ReplayError,
     RetentionBoundary,
@@ -319,8 +320,6 @@ def to_json(ex: Explanation, found: Found, replay_report, namespace: str | None)
 
 
 async def _explain(args) -> tuple[int, dict]:
-    import redis.asyncio
-
     nc = await connect(args.nats)
     try:
         try:
@@ -353,7 +352,7 @@ async def _explain(args) -> tuple[int, dict]:
             except RetentionBoundary as exc:
                 raise ReplayError(f"cannot rebuild the state at the decision's moment ({iso(decision.ts)}): {exc}") \
                     from None
-            client = redis.asyncio.Redis.from_url(args.redis, socket_timeout=10)
+            client = redis_async_client(args.redis, socket_timeout=10)
             try:
                 views = await OverlapReader(client, root=scratch.root).read(
                     decision.model, _pages_by_size(decision), now_ms=int(decision.ts * 1000))

@@ -8,6 +8,7 @@ import time
 
 import redis
 
+from kvtier.connections import redis_client
 from kvtier.consumers.apply import as_text
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
 from kvtier.schemas.tiers import TIER_PRIORITY
@@ -40,7 +41,7 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
 
 
 def run_inspect(args) -> int:
-    client = redis.Redis.from_url(args.redis, socket_timeout=5)
+    client = redis_client(args.redis, socket_timeout=5)
     rows = collect(client, args.model, args.worker)
     if args.json:
         print(json.dumps(rows))

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import msgspec
 
+from kvtier.connections import redis_client
 from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
 from kvtier.schemas.state_keys import ModelKeys, page_member
@@ -503,9 +504,7 @@ class Probe:
                             reasons=judgement.reasons)
 
     async def _connect(self) -> None:
-        import redis
-
-        self.redis = redis.Redis.from_url(self.config.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = redis_client(self.config.redis_url, socket_timeout=5, socket_connect_timeout=5)
         try:
             import nats
 

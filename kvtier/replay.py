@@ -36,6 +36,7 @@ from typing import AsyncIterator, Iterable
 import msgspec
 import redis
 
+from kvtier.connections import redis_client
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
@@ -289,7 +290,7 @@ def _client_for_db(redis_url: str, db: int) -> redis.Redis:
         parts = parts._replace(query=urlencode([*query, ("db", str(db))]))
     else:
         parts = parts._replace(path=f"/{db}", query=urlencode(query))
-    client = redis.Redis.from_url(urlunsplit(parts), socket_timeout=10)
+    client = redis_client(urlunsplit(parts), socket_timeout=10)
     if _db_of(client) != db:
         raise ReplayError(f"could not address database {db} through {redis_url}")
     return client
@@ -303,7 +304,7 @@ def _check_namespace(name: str) -> str:
 
 def scratch_target(redis_url: str, into: str | None = None, into_db: int | None = None) -> Scratch:
     """Where a replay writes. Refuses live state and a target that already holds keys."""
-    live = redis.Redis.from_url(redis_url, socket_timeout=10)
+    live = redis_client(redis_url, socket_timeout=10)
     if into_db is not None:
         try:
             cluster = live.info("cluster").get("cluster_enabled", 0)
@@ -332,7 +333,7 @@ def drop_namespace(redis_url: str, namespace: str, into_db: int | None = None) -
     _check_namespace(namespace)
     if into_db is None and namespace == DEFAULT_ROOT:
         raise ReplayError(f"refusing to drop {DEFAULT_ROOT!r}: that is the live tier state")
-    live = redis.Redis.from_url(redis_url, socket_timeout=10)
+    live = redis_client(redis_url, socket_timeout=10)
     if into_db is not None and into_db == _db_of(live):
         raise ReplayError(f"--into-db {into_db} is the live database of {redis_url}: refusing to drop it")
     client = live if into_db is None else _client_for_db(redis_url, into_db)
@@ -697,7 +698,7 @@ def run_replay(args) -> int:
               "elapsed_s": round(elapsed, 3)}
     code = 0
     if args.diff:
-        live_client = redis.Redis.from_url(args.redis, socket_timeout=10)
+        live_client = redis_client(args.redis, socket_timeout=10)
         live = read_states(live_client, DEFAULT_ROOT, args.model, args.worker)
         diffs = diff_states(live, read_states(scratch.client, scratch.root, args.model, args.worker))
         diverging = sum(d.pages for d in diffs)

@@ -285,7 +285,7 @@ class RouterConfig:
 
 
 async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> None:
-    import redis.asyncio
+    from kvtier.connections import redis_async_client
 
     from kvtier.schemas.routing import ScoringWeights
 
@@ -301,8 +301,8 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
         weights = msgspec.structs.replace(weights, overlap_score_credit=0.0, host_cache_hit_weight=0.0,
                                           disk_cache_hit_weight=0.0, shared_cache_multiplier=0.0)
     metrics = RouterMetrics()
-    client = redis.asyncio.from_url(config.redis_url, socket_connect_timeout=config.state_timeout_s,
-                                    socket_timeout=config.state_timeout_s, health_check_interval=0)
+    client = redis_async_client(config.redis_url, socket_connect_timeout=config.state_timeout_s,
+                                socket_timeout=config.state_timeout_s)
     shared_pool = None
     if config.shared_cache_type == "hicache":
         shared_pool = SharedPoolClient(config.mooncake_master, timeout_s=config.shared_cache_timeout_s)

@@ -1,0 +1,541 @@
+"""`kvtier analytics`: tier statistics from the event and decision streams, on /metrics.
+
+The numbers come from `analytics_model.TierAnalytics` (pure, no I/O); this module is its
+edges: decoding stream messages into it (`MessageFeeder`, shared with `kvtier report`),
+reading a stream in order (`read_stream`), the durable consumers, and the HTTP endpoint.
+
+Delivery. Two durable pull consumers of its own, `<durable>-events` on KVTIER_EVENTS and
+`<durable>-decisions` on KVTIER_DECISIONS (never the processors' consumers); each message is
+acked after it has been counted, in order, so a restarted analytics continues after the last
+message it counted. A consumer that still holds unacked messages when analytics starts (the
+previous process died mid-batch) is rewound to its ack floor so they are counted now, in
+order. A new durable starts from the first message the stream retains.
+
+Restart. Counters are this process's own (Prometheus treats a restart as a counter reset),
+so no message is counted by two processes unless one died between counting and its ack
+reaching the server (at-least-once, at most one pull batch). The tier sets are not lost:
+before consuming, analytics rebuilds them by reading the events stream from its first
+retained message up to the durable's ack floor through an ephemeral consumer, applying every
+message without counting. Resident-page gauges, lifetimes and demotion/eviction
+classification are therefore right from the first message after a restart; the rebuild
+reads what the stream retains (`--no-rebuild` skips it: state then starts empty and removals
+of pages stored before are counted as no-ops).
+
+Clock. Leases and write-back windows run on the stream's timestamps of the messages while
+analytics is behind, and on the wall clock once it has caught up (clocks in sync, as for the
+processors). Lifetimes use the engine's timestamps (`source_ts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtier.consumers.analytics_model import TIER_NAMES, TierAnalytics
+from kvtier.consumers.pull import ConsumerGone
+from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
+from kvtier.schemas.routing import DECISION_SCHEMA_VERSION, RouteDecision
+from kvtier.schemas.subjects import (
+    DECISIONS_PREFIX,
+    DECISIONS_STREAM,
+    EVENTS_PREFIX,
+    EVENTS_STREAM,
+    decisions_subject,
+    subject_token,
+)
+
+log = logging.getLogger("kvtier.analytics")
+
+STREAMS = (EVENTS_STREAM, DECISIONS_STREAM)
+
+
+def event_filters(models: list[str] | None) -> list[str]:
+    """Subjects of the events stream to read (as stored: with the partition token)."""
+    if not models:
+        return [f"{EVENTS_PREFIX}.>"]
+    return sorted({f"{EVENTS_PREFIX}.{subject_token(m)}.*.*" for m in models})
+
+
+def decision_filters(models: list[str] | None) -> list[str]:
+    if not models:
+        return [f"{DECISIONS_PREFIX}.>"]
+    return sorted({decisions_subject(m) for m in models})
+
+
+def filter_config(filters: list[str]) -> dict:
+    return {"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}
+
+
+class MessageFeeder:
+    """Decodes stream messages into a `TierAnalytics`. `models`: only these (exact names)."""
+
+    def __init__(self, analytics: TierAnalytics, models: list[str] | None = None):
+        self.analytics = analytics
+        self.models = set(models) if models else None
+        self._decision_decoder = msgspec.msgpack.Decoder(RouteDecision)
+        self.last_time: dict[str, float] = {}
+
+    def event(self, data: bytes, at: float) -> str:
+        """Apply one events-stream message stored at `at`; returns its kind
+        (batch, announce, skipped: another model, undecodable)."""
+        self.last_time[EVENTS_STREAM] = at
+        try:
+            message = decode_message(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
+            self.analytics.undecodable[EVENTS_STREAM] += 1
+            self.analytics.advance(at)
+            return "undecodable"
+        if isinstance(message, WorkerAnnounce):
+            if self.models is not None and message.metadata.model not in self.models:
+                return "skipped"
+            self.analytics.announce(message, at)
+            return "announce"
+        assert isinstance(message, EventBatch)
+        if self.models is not None and message.model not in self.models:
+            return "skipped"
+        self.analytics.apply_batch(message, at)
+        return "batch"
+
+    def decision(self, data: bytes, at: float) -> str:
+        self.last_time[DECISIONS_STREAM] = at
+        try:
+            decision = self._decision_decoder.decode(data)
+            if decision.v > DECISION_SCHEMA_VERSION:
+                raise UnsupportedVersion(f"decision schema v{decision.v}")
+        except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
+            self.analytics.undecodable[DECISIONS_STREAM] += 1
+            return "undecodable"
+        if self.models is not None and decision.model not in self.models:
+            return "skipped"
+        self.analytics.decision(decision)
+        return "decision"
+
+
+# --- reading a stream in order ---------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredMsg:
+    seq: int
+    time: float  # when the stream stored it (unix seconds, server clock)
+    data: bytes
+    pending: int
+
+
+async def read_stream(nc, stream: str, filters: list[str], *, start_seq: int | None = None,
+                      start_time: float | None = None, end_seq: int | None = None,
+                      end_time: float | None = None, batch: int = 512) -> AsyncIterator[StoredMsg]:
+    """Messages of `stream` matching `filters`, in stream order, through an ephemeral,
+    unacknowledged pull consumer (deleted afterwards): from the first one (or `start_seq` /
+    `start_time`) to `end_seq` / `end_time` or to what the stream held when it began."""
+    import nats.js.errors
+    from kvtier.consumers.pull import PullStream
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=60.0,
+                            mem_storage=True, num_replicas=1, **filter_config(filters))
+    if start_seq is not None:
+        config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, max(1, start_seq)
+    elif start_time is not None:
+        config.deliver_policy = DeliverPolicy.BY_START_TIME
+        config.opt_start_time = dt.datetime.fromtimestamp(start_time, dt.timezone.utc)
+    try:
+        info = await js.add_consumer(stream, config)
+    except nats.js.errors.NotFoundError:
+        return  # no such stream: nothing was ever published to it
+    remaining = info.num_pending
+    pull = await PullStream(nc, stream, info.name, batch).start()
+    try:
+        idle = 0
+        while remaining > 0:
+            msgs = await pull.next_batch(timeout=0.5)
+            if not msgs:
+                idle += 1
+                if idle >= 6:
+                    current = await js.consumer_info(stream, info.name)
+                    if current.num_pending == 0:
+                        return  # what was pending aged out meanwhile
+                    idle = 0
+                continue
+            idle = 0
+            for msg in msgs:
+                meta = msg.metadata
+                item = StoredMsg(meta.sequence.stream, meta.timestamp.timestamp(), msg.data, meta.num_pending)
+                if end_time is not None and item.time > end_time:
+                    return
+                yield item
+                remaining -= 1
+                if item.pending == 0 or remaining <= 0 or (end_seq is not None and item.seq >= end_seq):
+                    return
+    finally:
+        await pull.close()
+        with contextlib.suppress(Exception):
+            await js.delete_consumer(stream, info.name)
+
+
+# --- Prometheus --------------------------------------------------------------------------
+@dataclass
+class ConsumerStats:
+    pending: int = 0
+    ack_pending: int = 0
+    counted: int = 0
+    rebuilt: int = 0
+    last_time: float = 0.0
+
+
+class AnalyticsCollector:
+    """Renders a `TierAnalytics` (and the consumers' positions) at scrape time."""
+
+    def __init__(self, analytics: TierAnalytics, consumers: dict[str, ConsumerStats] | None = None,
+                 rebuilding=lambda: False, clock=time.time):
+        self.a = analytics
+        self.consumers = consumers or {}
+        self.rebuilding = rebuilding
+        self.clock = clock
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        a = self.a
+        resident = GaugeMetricFamily("kvtier_analytics_resident_pages",
+                                     "Pages a worker holds on a tier now, from its events", labels=["model", "worker", "tier"])
+        workers = GaugeMetricFamily("kvtier_analytics_workers",
+                                    "Workers seen, by lease state (live: announced and not expired; expired; unleased: "
+                                    "events but no announcement)", labels=["model", "state"])
+        states: dict[tuple[str, str], int] = {}
+        for w in a.workers.values():
+            state = "unleased" if w.lease_until is None else "expired" if w.expired else "live"
+            states[(w.model, state)] = states.get((w.model, state), 0) + 1
+            if w.expired and not w.pages():
+                continue
+            for i, pages in enumerate(w.tiers):
+                resident.add_metric([w.model, w.worker, TIER_NAMES[i]], len(pages))
+        for (model, state), n in sorted(states.items()):
+            workers.add_metric([model, state], n)
+        yield resident
+        yield workers
+
+        transitions = CounterMetricFamily(
+            "kvtier_analytics_transitions", "Page transitions by kind (stored, removed, copy, promotion, demotion, "
+            "eviction, cleared, new_epoch, gap, lease_expired); tier: where the page landed (stored, copy, promotion, "
+            "demotion) or which tier it left", labels=["model", "worker", "kind", "tier"])
+        for key, n in sorted(a.transitions.items()):
+            transitions.add_metric(list(key), n)
+        yield transitions
+        noops = CounterMetricFamily("kvtier_analytics_noop_events",
+                                    "Page events that changed nothing (store of a page already there, remove of one "
+                                    "not there)", labels=["model", "worker", "kind"])
+        for key, n in sorted(a.noops.items()):
+            noops.add_metric(list(key), n)
+        yield noops
+        batches = CounterMetricFamily("kvtier_analytics_batches", "Event batches by outcome (applied, duplicate, "
+                                      "old_epoch)", labels=["model", "outcome"])
+        for key, n in sorted(a.batches.items()):
+            batches.add_metric(list(key), n)
+        yield batches
+        epochs = CounterMetricFamily("kvtier_analytics_epochs", "Epochs begun, by the bridge's reason",
+                                     labels=["model", "worker", "reason"])
+        for key, n in sorted(a.epochs.items()):
+            epochs.add_metric(list(key), n)
+        yield epochs
+        lifetimes = HistogramMetricFamily("kvtier_analytics_page_lifetime_seconds",
+                                          "Time a page stayed on a tier, store to remove (engine timestamps)",
+                                          labels=["model", "tier"])
+        for (model, tier), hist in sorted(a.lifetimes.items()):
+            lifetimes.add_metric([model, tier], hist.cumulative(), hist.sum)
+        yield lifetimes
+
+        decisions = CounterMetricFamily("kvtier_analytics_decisions", "Routing decisions by chosen worker",
+                                        labels=["model", "worker"])
+        for key, n in sorted(a.decisions.items()):
+            decisions.add_metric(list(key), n)
+        yield decisions
+        hits = CounterMetricFamily("kvtier_analytics_predicted_hit_tokens",
+                                   "Tokens of routed requests the chosen worker was predicted to hit, by tier "
+                                   "(device/host/disk: the walk; shared_beyond: shared-pool pages beyond its device "
+                                   "prefix)", labels=["model", "worker", "tier"])
+        for key, n in sorted(a.hit_tokens.items()):
+            hits.add_metric(list(key), n)
+        yield hits
+        request_tokens = CounterMetricFamily("kvtier_analytics_request_tokens",
+                                             "Tokens (full pages) of routed requests", labels=["model"])
+        for model, n in sorted(a.request_tokens.items()):
+            request_tokens.add_metric([model], n)
+        yield request_tokens
+        degraded = CounterMetricFamily("kvtier_analytics_degraded_decisions",
+                                       "Decisions made without an input, by what was missing", labels=["model", "reason"])
+        for key, n in sorted(a.degraded.items()):
+            degraded.add_metric(list(key), n)
+        yield degraded
+        shared_decisions = CounterMetricFamily("kvtier_analytics_shared_pool_decisions",
+                                               "Decisions that queried the shared pool", labels=["model"])
+        rate = GaugeMetricFamily("kvtier_analytics_shared_pool_hit_rate",
+                                 "Shared-pool pages beyond the chosen worker's device prefix / request pages, over "
+                                 "decisions that queried the pool (since start)", labels=["model"])
+        for model, n in sorted(a.shared_queried.items()):
+            shared_decisions.add_metric([model], n)
+            value = a.shared_pool_hit_rate(model)
+            if value is not None:
+                rate.add_metric([model], value)
+        yield shared_decisions
+        yield rate
+        per_decision = HistogramMetricFamily("kvtier_analytics_shared_pool_decision_hit_rate",
+                                             "Per decision: shared-pool pages beyond the device prefix / request pages",
+                                             labels=["model"])
+        for model, hist in sorted(a.shared_hit_rate.items()):
+            per_decision.add_metric([model], hist.cumulative(), hist.sum)
+        yield per_decision
+
+        memory = GaugeMetricFamily("kvtier_analytics_tracked_page_tiers",
+                                   "(page, tier) entries held in memory (~110-150 bytes each)")
+        memory.add_metric([], a.tracked_page_tiers())
+        yield memory
+        limbo = GaugeMetricFamily("kvtier_analytics_writeback_pending_pages",
+                                  "Pages removed from their last tier, waiting out the write-back window")
+        limbo.add_metric([], a.limbo_pages())
+        yield limbo
+        pending = GaugeMetricFamily("kvtier_analytics_consumer_pending",
+                                    "Messages not yet delivered to this analytics' durable consumer", labels=["stream"])
+        ack_pending = GaugeMetricFamily("kvtier_analytics_consumer_ack_pending",
+                                        "Messages delivered, not yet acked", labels=["stream"])
+        lag = GaugeMetricFamily("kvtier_analytics_consumer_lag_seconds",
+                                "Age of the last counted message while messages are pending (0: caught up)",
+                                labels=["stream"])
+        messages = CounterMetricFamily("kvtier_analytics_messages", "Stream messages by what was done with them "
+                                       "(counted; rebuilt: re-read at start to rebuild state; undecodable)",
+                                       labels=["stream", "outcome"])
+        now = self.clock()
+        for stream, stats in sorted(self.consumers.items()):
+            pending.add_metric([stream], stats.pending)
+            ack_pending.add_metric([stream], stats.ack_pending)
+            behind = stats.pending > 0 and stats.last_time > 0
+            lag.add_metric([stream], max(0.0, now - stats.last_time) if behind else 0.0)
+            messages.add_metric([stream, "counted"], stats.counted)
+            messages.add_metric([stream, "rebuilt"], stats.rebuilt)
+            messages.add_metric([stream, "undecodable"], a.undecodable.get(stream, 0))
+        yield pending
+        yield ack_pending
+        yield lag
+        yield messages
+        rebuilding = GaugeMetricFamily("kvtier_analytics_rebuilding",
+                                       "1 while the tier state is being rebuilt from the stream at start")
+        rebuilding.add_metric([], 1 if self.rebuilding() else 0)
+        yield rebuilding
+
+
+# --- the service -------------------------------------------------------------------------
+@dataclass
+class AnalyticsConfig:
+    nats_url: str
+    durable: str = "kvtier-analytics"
+    host: str = "127.0.0.1"
+    http_port: int = 9464
+    models: list[str] | None = None
+    writeback_window_s: float = 2.0
+    fetch_batch: int = 256
+    ack_wait_s: float = 30.0
+    rebuild: bool = True
+    tick_s: float = 1.0
+
+
+class AnalyticsService:
+    def __init__(self, config: AnalyticsConfig):
+        from prometheus_client import CollectorRegistry, ProcessCollector
+
+        self.cfg = config
+        self.analytics = TierAnalytics(writeback_window_s=config.writeback_window_s)
+        self.feeder = MessageFeeder(self.analytics, config.models)
+        self.stats = {EVENTS_STREAM: ConsumerStats(), DECISIONS_STREAM: ConsumerStats()}
+        self._rebuilding = False
+        self.registry = CollectorRegistry()
+        self.registry.register(AnalyticsCollector(self.analytics, self.stats, lambda: self._rebuilding))
+        ProcessCollector(registry=self.registry)
+        self.nc = None
+        self.port = 0
+
+    def durable_name(self, stream: str) -> str:
+        return f"{self.cfg.durable}-{'events' if stream == EVENTS_STREAM else 'decisions'}"
+
+    def filters(self, stream: str) -> list[str]:
+        return event_filters(self.cfg.models) if stream == EVENTS_STREAM else decision_filters(self.cfg.models)
+
+    async def run(self, stop: asyncio.Event, ready=None) -> None:
+        from aiohttp import web
+
+        from kvtier.streams import StreamSettings, connect_nats, ensure_decisions_stream, ensure_streams
+
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.http_port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        if ready is not None:
+            ready(self.port)
+        try:
+            self.nc = await connect_nats(self.cfg.nats_url, "kvtier-analytics", stop)
+            if self.nc is None:
+                return
+            js = self.nc.jetstream()
+            await ensure_streams(js, StreamSettings())
+            await ensure_decisions_stream(js)
+            floors = {}
+            for stream in STREAMS:
+                floors[stream] = await self._durable(js, stream)
+            if self.cfg.rebuild and floors[EVENTS_STREAM]:
+                await self._rebuild(floors[EVENTS_STREAM], stop)
+            if stop.is_set():
+                return
+            tasks = [asyncio.create_task(self._consume(stream, stop)) for stream in STREAMS]
+            tasks.append(asyncio.create_task(self._tick(js, stop)))
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            stop.set()
+            stopper.cancel()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                    raise result
+        finally:
+            if self.nc is not None:
+                with contextlib.suppress(Exception):
+                    await self.nc.flush(timeout=2)  # the last acks reach the server
+                with contextlib.suppress(Exception):
+                    await self.nc.close()
+            await runner.cleanup()
+
+    async def _metrics(self, request):
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = generate_latest(self.registry)  # in the loop's thread: the model is not mid-update
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request):
+        from aiohttp import web
+
+        ok = self.nc is not None and self.nc.is_connected
+        body = {"status": "ok" if ok else "degraded", "nats": ok, "rebuilding": self._rebuilding,
+                "workers": len(self.analytics.workers)}
+        return web.json_response(body, status=200)
+
+    async def _durable(self, js, stream: str) -> int:
+        """Create or resume this analytics' durable consumer on `stream`; returns the stream
+        sequence up to which everything matching has been counted (its ack floor)."""
+        import nats.js.errors
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        name, filters = self.durable_name(stream), self.filters(stream)
+        config = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT, ack_wait=self.cfg.ack_wait_s,
+                                max_ack_pending=50_000, max_deliver=-1, deliver_policy=DeliverPolicy.ALL,
+                                **filter_config(filters))
+        try:
+            info = await js.consumer_info(stream, name)
+        except nats.js.errors.NotFoundError:
+            info = None
+        floor = 0
+        if info is not None:
+            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            current = sorted(info.config.filter_subjects or ([info.config.filter_subject]
+                                                             if info.config.filter_subject else []))
+            if info.num_ack_pending or current != filters:
+                why = (f"{info.num_ack_pending} unacked messages" if info.num_ack_pending
+                       else f"filters {current} -> {filters}")
+                log.info("%s: resuming consumer %s at stream seq %d (%s)", stream, name, floor + 1, why)
+                await js.delete_consumer(stream, name)
+                config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, floor + 1
+                info = None
+        if info is None:
+            try:
+                await js.add_consumer(stream, config)
+            except nats.js.errors.BadRequestError:
+                pass  # created meanwhile by another analytics with the same --durable
+        return floor
+
+    async def _rebuild(self, floor: int, stop: asyncio.Event) -> None:
+        """Tier state up to `floor`, already counted before: applied without counting."""
+        started = time.monotonic()
+        self._rebuilding = True
+        self.analytics.counting = False
+        stats = self.stats[EVENTS_STREAM]
+        try:
+            async for msg in read_stream(self.nc, EVENTS_STREAM, self.filters(EVENTS_STREAM), end_seq=floor):
+                if msg.seq > floor or stop.is_set():
+                    break  # (the first retained message is past the floor when older ones aged out)
+                self.feeder.event(msg.data, msg.time)
+                stats.rebuilt += 1
+        finally:
+            self.analytics.counting = True
+            self._rebuilding = False
+        log.info("rebuilt tier state of %d workers from %d messages up to stream seq %d in %.1fs",
+                 len(self.analytics.workers), stats.rebuilt, floor, time.monotonic() - started)
+
+    async def _consume(self, stream: str, stop: asyncio.Event) -> None:
+        from kvtier.consumers.pull import PullStream
+
+        durable = self.durable_name(stream)
+        feed = self.feeder.event if stream == EVENTS_STREAM else self.feeder.decision
+        stats = self.stats[stream]
+        pull = await PullStream(self.nc, stream, durable, self.cfg.fetch_batch).start()
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await pull.next_batch(timeout=0.5)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a consumer loop must survive broker hiccups
+                    if stop.is_set():
+                        break
+                    log.warning("%s: pull failed (%r); re-subscribing", stream, exc)
+                    await pull.close()
+                    await asyncio.sleep(0.5)
+                    if isinstance(exc, ConsumerGone):  # deleted under us: recreate it at its ack floor
+                        with contextlib.suppress(Exception):
+                            await self._durable(self.nc.jetstream(), stream)
+                    pull = await PullStream(self.nc, stream, durable, self.cfg.fetch_batch).start()
+                    continue
+                for msg in msgs:
+                    meta = msg.metadata
+                    at = meta.timestamp.timestamp()
+                    feed(msg.data, at)
+                    stats.counted += 1
+                    stats.last_time = at
+                    stats.pending = meta.num_pending
+                    await msg.ack()  # after counting: a restart continues after it
+        finally:
+            await pull.close()
+
+    async def _tick(self, js, stop: asyncio.Event) -> None:
+        """Consumer positions for /metrics; once caught up, the wall clock drives leases and
+        write-back windows."""
+        import nats.errors
+        import nats.js.errors
+
+        while not stop.is_set():
+            try:
+                for stream in STREAMS:
+                    info = await js.consumer_info(stream, self.durable_name(stream))
+                    stats = self.stats[stream]
+                    stats.pending, stats.ack_pending = info.num_pending, info.num_ack_pending
+                events = self.stats[EVENTS_STREAM]
+                if events.pending == 0 and events.ack_pending == 0:
+                    self.analytics.advance(time.time())
+            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+                log.warning("consumer info unavailable: %s", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.tick_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def run_analytics(config: AnalyticsConfig, stop: asyncio.Event, ready=None) -> None:
+    await AnalyticsService(config).run(stop, ready)
+
+

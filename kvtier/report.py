@@ -1,0 +1,399 @@
+"""`kvtier report`: tier statistics of a time window of the event and decision streams, as
+PNG plots and a `summary.md`, computed with the same pure model as `kvtier analytics`
+(consumers/analytics_model.py).
+
+The events stream is read from its first retained message: what comes before `--since` only
+builds the tier sets (so pages stored before the window are resident, and their removal in
+the window has a lifetime and a kind), what falls in [since, until] is counted. Decisions are
+read from `--since` (by stream time). Window bounds are the stream's timestamps; lifetimes
+use the engine's. Write-back windows still open at the end are counted as evictions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import pathlib
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvtier.consumers.analytics import MessageFeeder, decision_filters, event_filters, read_stream
+from kvtier.consumers.analytics_model import HIT_TIERS, TIER_NAMES, TierAnalytics
+from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM
+
+_RELATIVE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MOVE_KINDS = ("stored", "removed", "copy", "promotion", "demotion", "eviction")
+DROP_KINDS = ("cleared", "new_epoch", "gap", "lease_expired")
+LIFETIME_SAMPLES = 200_000
+
+
+class ReportError(ValueError):
+    """A report that cannot be made as asked; the message says why."""
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """Unix seconds from ISO 8601 (no offset: UTC), unix seconds, or a duration ago (90s, 5m, 2h, 1d)."""
+    text = text.strip()
+    match = _RELATIVE_RE.match(text)
+    if match:
+        return (now if now is not None else time.time()) - float(match.group(1)) * _UNIT_S[match.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ReportError(f"cannot read time {text!r}: give ISO 8601 (2025-06-01T12:00:00Z), unix seconds, "
+                          "or a duration ago (90s, 5m, 2h, 1d)") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.timezone.utc)
+    return moment.timestamp()
+
+
+def iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Snapshot:
+    t: float
+    resident: dict  # (model, worker, tier) -> pages
+
+
+@dataclass
+class ReportData:
+    since: float
+    until: float
+    analytics: TierAnalytics
+    snapshots: list[Snapshot] = field(default_factory=list)
+    messages: dict = field(default_factory=dict)  # (stream, kind) -> messages in the window
+    history_messages: int = 0  # events-stream messages before the window (state only)
+
+
+async def collect(nats_url: str, since: float, until: float, model: str | None = None, bins: int = 60,
+                  writeback_window_s: float = 2.0) -> ReportData:
+    import nats
+
+    async def quiet(exc: Exception) -> None:  # the failure is reported once, below
+        pass
+
+    try:
+        nc = await nats.connect(nats_url, name="kvtier-report", connect_timeout=5, max_reconnect_attempts=2,
+                                error_cb=quiet)
+    except Exception as exc:  # noqa: BLE001 - one clear line for any failure to connect
+        raise ReportError(f"cannot reach NATS at {nats_url}: {exc or type(exc).__name__}") from None
+    models = [model] if model else None
+    analytics = TierAnalytics(writeback_window_s=writeback_window_s, lifetime_samples=LIFETIME_SAMPLES)
+    feeder = MessageFeeder(analytics, models)
+    data = ReportData(since, until, analytics)
+    edges = [since + (until - since) * i / bins for i in range(bins + 1)]
+    next_edge = 0
+    analytics.keep_timeline(since, (until - since) / bins)
+
+    def snapshot(t: float) -> None:
+        data.snapshots.append(Snapshot(t, analytics.resident()))
+
+    try:
+        analytics.counting = False
+        async for msg in read_stream(nc, EVENTS_STREAM, event_filters(models), end_time=until):
+            if msg.time >= since and not analytics.counting:
+                analytics.advance(since)
+                analytics.counting = True
+            while next_edge <= bins and msg.time >= edges[next_edge]:
+                analytics.advance(edges[next_edge])
+                snapshot(edges[next_edge])
+                next_edge += 1
+            kind = feeder.event(msg.data, msg.time)
+            if analytics.counting:
+                data.messages[(EVENTS_STREAM, kind)] = data.messages.get((EVENTS_STREAM, kind), 0) + 1
+            else:
+                data.history_messages += 1
+        analytics.counting = True
+        while next_edge <= bins:
+            analytics.advance(edges[next_edge])
+            snapshot(edges[next_edge])
+            next_edge += 1
+        analytics.advance(until)
+        analytics.finish()
+        data.snapshots[-1] = Snapshot(until, analytics.resident())
+        async for msg in read_stream(nc, DECISIONS_STREAM, decision_filters(models), start_time=since,
+                                     end_time=until):
+            if msg.time < since:
+                continue
+            kind = feeder.decision(msg.data, msg.time)
+            data.messages[(DECISIONS_STREAM, kind)] = data.messages.get((DECISIONS_STREAM, kind), 0) + 1
+    finally:
+        await nc.close()
+    return data
+
+
+# --- numbers -----------------------------------------------------------------------------
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def summarize(data: ReportData) -> dict:
+    a = data.analytics
+    end = data.snapshots[-1].resident if data.snapshots else a.resident()
+    kinds = a.transition_totals("kind")
+    by_worker = a.transition_totals("worker_kind")
+    resident_by_tier = {t: sum(n for (_, _, tier), n in end.items() if tier == t) for t in TIER_NAMES}
+    workers: dict[tuple[str, str], dict] = {}
+
+    def row(model: str, worker: str) -> dict:
+        key = (model, worker)
+        if key not in workers:
+            record = a.workers.get(key)
+            state = ("unleased" if record is None or record.lease_until is None
+                     else "expired" if record.expired else "live")
+            workers[key] = {"model": model, "worker": worker, "lease": state,
+                            "resident": {t: end.get((model, worker, t), 0) for t in TIER_NAMES},
+                            "transitions": {k: 0 for k in MOVE_KINDS + DROP_KINDS},
+                            "decisions": 0, "predicted_hit_tokens": {t: 0 for t in HIT_TIERS}}
+        return workers[key]
+
+    for (model, worker, kind), n in by_worker.items():
+        row(model, worker)["transitions"][kind] += n
+    for (model, worker, _tier), n in end.items():
+        if n:
+            row(model, worker)
+    for (model, worker), n in a.decisions.items():
+        row(model, worker)["decisions"] += n
+    for (model, worker, tier), n in a.hit_tokens.items():
+        row(model, worker)["predicted_hit_tokens"][tier] += n
+    lifetimes = {}
+    for tier in TIER_NAMES:
+        samples = a.lifetime_samples[tier] if a.lifetime_samples else None
+        if samples is None or not samples.seen:
+            continue
+        values = sorted(samples.values)
+        lifetimes[tier] = {"pages": samples.seen, "p50_s": round(_percentile(values, 50), 3),
+                           "p90_s": round(_percentile(values, 90), 3), "max_s": round(values[-1], 3)}
+    events = {kind: n for (stream, kind), n in sorted(data.messages.items()) if stream == EVENTS_STREAM}
+    decisions = sum(a.decisions.values())
+    rate = a.shared_pool_hit_rate()
+    return {
+        "window": {"since": iso(data.since), "until": iso(data.until), "seconds": round(data.until - data.since, 3)},
+        "events": {"messages": sum(events.values()), **events,
+                   "page_events": kinds.get("stored", 0) + kinds.get("removed", 0) + sum(a.noops.values()),
+                   "history_messages": data.history_messages},
+        "workers": len(workers),
+        "transitions": {k: kinds.get(k, 0) for k in MOVE_KINDS + DROP_KINDS},
+        "resident_pages_at_end": resident_by_tier,
+        "lifetimes": lifetimes,
+        "decisions": decisions,
+        "decisions_per_worker": {f"{m}/{w}" if len({k[0] for k in a.decisions}) > 1 else w: n
+                                 for (m, w), n in sorted(a.decisions.items())},
+        "predicted_hit_tokens": {t: sum(n for (_, _, tier), n in a.hit_tokens.items() if tier == t)
+                                 for t in HIT_TIERS},
+        "request_tokens": sum(a.request_tokens.values()),
+        "shared_pool_decisions": sum(a.shared_queried.values()),
+        "shared_pool_hit_rate": round(rate, 4) if rate is not None else None,
+        "per_worker": sorted(workers.values(), key=lambda r: (r["model"], r["worker"])),
+    }
+
+
+# --- output ------------------------------------------------------------------------------
+def write_summary(summary: dict, path: pathlib.Path, plots: list[str]) -> None:
+    w, ev, tr = summary["window"], summary["events"], summary["transitions"]
+    hits, req = summary["predicted_hit_tokens"], summary["request_tokens"]
+    lines = [
+        "# kvtier report", "",
+        f"Window: {w['since']} .. {w['until']} ({w['seconds']:g} s, stream time).", "",
+        "## Headline", "",
+        (f"- Events: {ev['messages']} messages in the window ({ev.get('batch', 0)} batches, "
+         f"{ev.get('announce', 0)} announcements, {ev.get('undecodable', 0)} undecodable), {ev['page_events']} page "
+         f"events; {ev['history_messages']} earlier messages read to rebuild the tier state."),
+        f"- Workers: {summary['workers']}.",
+        (f"- Transitions: {tr['stored']} stored, {tr['removed']} removed, {tr['copy']} copies down, "
+         f"{tr['promotion']} promotions, {tr['demotion']} demotions, {tr['eviction']} evictions; dropped: "
+         f"{tr['cleared']} cleared, {tr['new_epoch']} by a new epoch, {tr['gap']} by a gap, "
+         f"{tr['lease_expired']} by lease expiry."),
+        "- Resident at the end: " + ", ".join(f"{n} {t}" for t, n in summary["resident_pages_at_end"].items()) + " pages.",
+    ]
+    if summary["lifetimes"]:
+        lines.append("- Page lifetime (store to remove): " + "; ".join(
+            f"{t} p50 {v['p50_s']:g} s, p90 {v['p90_s']:g} s ({v['pages']} pages)"
+            for t, v in summary["lifetimes"].items()) + ".")
+    lines.append(f"- Decisions: {summary['decisions']}; predicted hit tokens: "
+                 + ", ".join(f"{hits[t]} {t}" for t in HIT_TIERS)
+                 + f" of {req} request tokens"
+                 + (f" ({(hits['device'] + hits['host'] + hits['disk']) / req:.1%} on the worker's own tiers)"
+                    if req else "") + ".")
+    rate = summary["shared_pool_hit_rate"]
+    lines.append(f"- Shared pool: queried by {summary['shared_pool_decisions']} decisions"
+                 + (f", hit rate {rate:.1%} (pages beyond the device prefix / request pages)." if rate is not None
+                    else "."))
+    lines += ["", "## Per worker", "",
+              ("| model | worker | lease | device | host | disk | stored | removed | copies | promotions | demotions "
+               "| evictions | dropped | decisions | hit tokens device/host/disk/shared |"),
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in summary["per_worker"]:
+        t, res, h = r["transitions"], r["resident"], r["predicted_hit_tokens"]
+        dropped = sum(t[k] for k in DROP_KINDS)
+        lines.append(f"| {r['model']} | {r['worker']} | {r['lease']} | {res['device']} | {res['host']} | {res['disk']} "
+                     f"| {t['stored']} | {t['removed']} | {t['copy']} | {t['promotion']} | {t['demotion']} "
+                     f"| {t['eviction']} | {dropped} | {r['decisions']} "
+                     f"| {h['device']}/{h['host']}/{h['disk']}/{h['shared_beyond']} |")
+    lines += ["", ("Resident pages are at the end of the window; transitions and decisions are those in it. "
+                   "Kinds are defined in consumers/analytics_model.py."), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(data: ReportData, summary: dict, out: pathlib.Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    a = data.analytics
+    times = [(s.t - data.since) for s in data.snapshots]
+    xlabel = f"seconds since {iso(data.since)}"
+
+    # resident pages per tier over time, per worker (total when there are many)
+    tiers = [t for t in TIER_NAMES if any(s.resident.get(k, 0) for s in data.snapshots
+                                          for k in s.resident if k[2] == t)] or ["device"]
+    keys = sorted({(m, w) for s in data.snapshots for (m, w, _t) in s.resident})
+    fig, axes = plt.subplots(len(tiers), 1, figsize=(10, 2.8 * len(tiers)), sharex=True, squeeze=False)
+    for axis, tier in zip(axes[:, 0], tiers):
+        if len(keys) <= 12:
+            for m, w in keys:
+                axis.plot(times, [s.resident.get((m, w, tier), 0) for s in data.snapshots], label=w, linewidth=1.2)
+        axis.plot(times, [sum(n for k, n in s.resident.items() if k[2] == tier) for s in data.snapshots],
+                  label="total", color="black", linewidth=2, linestyle="--")
+        axis.set_ylabel(f"{tier} pages")
+        axis.legend(fontsize=7, ncol=4, loc="upper left")
+    axes[-1, 0].set_xlabel(xlabel)
+    fig.suptitle("resident pages per tier")
+    fig.tight_layout()
+    fig.savefig(out / "resident_pages.png", dpi=100)
+    plt.close(fig)
+    written.append("resident_pages.png")
+
+    # transitions per kind per step, each at the time it happened
+    fig, axis = plt.subplots(figsize=(10, 4))
+    kinds = [k for k in MOVE_KINDS + DROP_KINDS if summary["transitions"].get(k)]
+    steps = len(data.snapshots) - 1
+    step_s = a.timeline_step
+    mids = [(i + 0.5) * step_s for i in range(steps)]
+    for kind in kinds:
+        axis.plot(mids, [a.timeline.get((i, kind), 0) for i in range(steps)], label=kind, marker=".")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(f"pages per {step_s:.3g} s")
+    axis.set_title("transitions per kind")
+    if kinds:
+        axis.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(out / "transitions.png", dpi=100)
+    plt.close(fig)
+    written.append("transitions.png")
+
+    # lifetime distributions per tier
+    fig, axis = plt.subplots(figsize=(10, 4))
+    plotted = False
+    if a.lifetime_samples:
+        import math
+
+        values_all = [v for r in a.lifetime_samples.values() for v in r.values]
+        if values_all:
+            lo = max(min(v for v in values_all if v > 0) if any(v > 0 for v in values_all) else 1e-3, 1e-3)
+            hi = max(max(values_all), lo * 10)
+            edges = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+            for tier, reservoir in a.lifetime_samples.items():
+                if reservoir.values:
+                    axis.hist([max(v, lo) for v in reservoir.values], bins=edges, histtype="step", linewidth=1.5,
+                              label=f"{tier} ({reservoir.seen} pages)")
+                    plotted = True
+            axis.set_xscale("log")
+            axis.set_xlim(lo, hi * 1.05 if math.isfinite(hi) else None)
+    axis.set_xlabel("seconds on the tier (store to remove, engine time)")
+    axis.set_ylabel("pages")
+    axis.set_title("page lifetime per tier")
+    if plotted:
+        axis.legend(fontsize=8)
+    else:
+        axis.text(0.5, 0.5, "no page was removed in the window", ha="center", va="center", transform=axis.transAxes)
+    fig.tight_layout()
+    fig.savefig(out / "lifetimes.png", dpi=100)
+    plt.close(fig)
+    written.append("lifetimes.png")
+
+    # decisions per worker and predicted hit tokens by tier
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    per_worker = summary["decisions_per_worker"]
+    if per_worker:
+        left.bar(list(per_worker), list(per_worker.values()), color="#4C72B0")
+        left.tick_params(axis="x", rotation=30)
+    else:
+        left.text(0.5, 0.5, "no decisions in the window", ha="center", va="center", transform=left.transAxes)
+    left.set_ylabel("decisions")
+    left.set_title("decisions per worker")
+    workers = sorted({(m, w) for (m, w, _t) in a.hit_tokens} | set(a.decisions))
+    bottom = [0] * len(workers)
+    labels = [w for _m, w in workers]
+    colors = {"device": "#55A868", "host": "#4C72B0", "disk": "#8172B2", "shared_beyond": "#C44E52"}
+    for tier in HIT_TIERS:
+        values = [a.hit_tokens.get((m, w, tier), 0) for m, w in workers]
+        if any(values):
+            right.bar(labels, values, bottom=bottom, label=tier, color=colors[tier])
+            bottom = [b + v for b, v in zip(bottom, values)]
+    right.set_ylabel("predicted hit tokens")
+    right.set_title("predicted hit tokens by tier (chosen worker)")
+    right.tick_params(axis="x", rotation=30)
+    if any(bottom):
+        right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "decisions.png", dpi=100)
+    plt.close(fig)
+    written.append("decisions.png")
+    return written
+
+
+def run_report(args) -> int:
+    now = time.time()
+    try:
+        since = parse_time(args.since, now)
+        until = parse_time(args.until, now) if args.until else now
+    except ReportError as exc:
+        print(f"kvtier report: {exc}", file=sys.stderr)
+        return 2
+    if until <= since:
+        print(f"kvtier report: --until ({iso(until)}) must be after --since ({iso(since)})", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    try:
+        data = asyncio.run(collect(args.nats, since, until, args.model or None, bins=args.bins,
+                                   writeback_window_s=args.writeback_window))
+    except ReportError as exc:
+        print(f"kvtier report: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(data)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(data, summary, out)
+    write_summary(summary, out / "summary.md", plots)
+    summary["out"] = {"summary": str(out / "summary.md"), "plots": [str(out / p) for p in plots]}
+    summary["seconds"] = round(time.monotonic() - started, 2)
+    ev, tr = summary["events"], summary["transitions"]
+    print(f"kvtier report: {iso(since)} .. {iso(until)}: {ev['messages']} event messages, {summary['workers']} "
+          f"workers, {tr['stored']} stored / {tr['removed']} removed / {tr['promotion']} promotions / "
+          f"{tr['demotion']} demotions / {tr['eviction']} evictions, {summary['decisions']} decisions")
+    print(f"wrote {out / 'summary.md'}" + (", " + ", ".join(plots) if plots else " (no plots: pip install matplotlib)"))
+    if args.json:
+        print(json.dumps(summary, separators=(",", ":")))
+    return 0
