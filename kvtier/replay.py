@@ -37,6 +37,7 @@ import msgspec
 import redis
 
 from kvtier.connections import redis_client
+from kvtier.timefmt import iso, parse_time  # noqa: F401 - re-exported for explain and events tail
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
@@ -48,8 +49,6 @@ SCRATCH_PREFIX = "kvtreplay-"
 #: Page transitions per pipelined apply (as the processor's chunks).
 CHUNK_TRANSITIONS = 4096
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
-_RELATIVE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class ReplayError(ValueError):
@@ -58,34 +57,6 @@ class ReplayError(ValueError):
 
 class RetentionBoundary(ReplayError):
     """The requested point is older than the first message the stream still holds."""
-
-
-# --- time ----------------------------------------------------------------------------------
-def parse_time(text: str, now: float | None = None) -> float:
-    """Unix seconds from ISO 8601 (without an offset: UTC), unix seconds, or a duration ago
-    ("90s", "5m", "2h", "1d")."""
-    text = text.strip()
-    match = _RELATIVE_RE.match(text)
-    if match:
-        return (now if now is not None else time.time()) - float(match.group(1)) * _UNIT_S[match.group(2)]
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ReplayError(f"cannot read time {text!r}: give ISO 8601 (2025-06-01T12:00:00Z), unix seconds, "
-                          "or a duration ago (90s, 5m, 2h, 1d)") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=dt.timezone.utc)
-    return moment.timestamp()
-
-
-def iso(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 # --- reading a stream ----------------------------------------------------------------------

@@ -12,10 +12,8 @@ use the engine's. Write-back windows still open at the end are counted as evicti
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -24,9 +22,8 @@ from dataclasses import dataclass, field
 from kvtier.consumers.analytics import MessageFeeder, decision_filters, event_filters, read_stream
 from kvtier.consumers.analytics_model import HIT_TIERS, TIER_NAMES, TierAnalytics
 from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM
+from kvtier.timefmt import TimeFormatError, iso, parse_time
 
-_RELATIVE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MOVE_KINDS = ("stored", "removed", "copy", "promotion", "demotion", "eviction")
 DROP_KINDS = ("cleared", "new_epoch", "gap", "lease_expired")
 LIFETIME_SAMPLES = 200_000
@@ -34,30 +31,6 @@ LIFETIME_SAMPLES = 200_000
 
 class ReportError(ValueError):
     """A report that cannot be made as asked; the message says why."""
-
-
-def parse_time(text: str, now: float | None = None) -> float:
-    """Unix seconds from ISO 8601 (no offset: UTC), unix seconds, or a duration ago (90s, 5m, 2h, 1d)."""
-    text = text.strip()
-    match = _RELATIVE_RE.match(text)
-    if match:
-        return (now if now is not None else time.time()) - float(match.group(1)) * _UNIT_S[match.group(2)]
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ReportError(f"cannot read time {text!r}: give ISO 8601 (2025-06-01T12:00:00Z), unix seconds, "
-                          "or a duration ago (90s, 5m, 2h, 1d)") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=dt.timezone.utc)
-    return moment.timestamp()
-
-
-def iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -183,7 +156,8 @@ def summarize(data: ReportData) -> dict:
     decisions = sum(a.decisions.values())
     rate = a.shared_pool_hit_rate()
     return {
-        "window": {"since": iso(data.since), "until": iso(data.until), "seconds": round(data.until - data.since, 3)},
+        "window": {"since": iso(data.since, "seconds"), "until": iso(data.until, "seconds"),
+                   "seconds": round(data.until - data.since, 3)},
         "events": {"messages": sum(events.values()), **events,
                    "page_events": kinds.get("stored", 0) + kinds.get("removed", 0) + sum(a.noops.values()),
                    "history_messages": data.history_messages},
@@ -263,7 +237,7 @@ def write_plots(data: ReportData, summary: dict, out: pathlib.Path) -> list[str]
     written = []
     a = data.analytics
     times = [(s.t - data.since) for s in data.snapshots]
-    xlabel = f"seconds since {iso(data.since)}"
+    xlabel = f"seconds since {iso(data.since, 'seconds')}"
 
     # resident pages per tier over time, per worker (total when there are many)
     tiers = [t for t in TIER_NAMES if any(s.resident.get(k, 0) for s in data.snapshots
@@ -369,11 +343,11 @@ def run_report(args) -> int:
     try:
         since = parse_time(args.since, now)
         until = parse_time(args.until, now) if args.until else now
-    except ReportError as exc:
+    except TimeFormatError as exc:
         print(f"kvtier report: {exc}", file=sys.stderr)
         return 2
     if until <= since:
-        print(f"kvtier report: --until ({iso(until)}) must be after --since ({iso(since)})", file=sys.stderr)
+        print(f"kvtier report: --until ({iso(until, 'seconds')}) must be after --since ({iso(since, 'seconds')})", file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
@@ -390,7 +364,7 @@ def run_report(args) -> int:
     summary["out"] = {"summary": str(out / "summary.md"), "plots": [str(out / p) for p in plots]}
     summary["seconds"] = round(time.monotonic() - started, 2)
     ev, tr = summary["events"], summary["transitions"]
-    print(f"kvtier report: {iso(since)} .. {iso(until)}: {ev['messages']} event messages, {summary['workers']} "
+    print(f"kvtier report: {iso(since, 'seconds')} .. {iso(until, 'seconds')}: {ev['messages']} event messages, {summary['workers']} "
           f"workers, {tr['stored']} stored / {tr['removed']} removed / {tr['promotion']} promotions / "
           f"{tr['demotion']} demotions / {tr['eviction']} evictions, {summary['decisions']} decisions")
     print(f"wrote {out / 'summary.md'}" + (", " + ", ".join(plots) if plots else " (no plots: pip install matplotlib)"))
