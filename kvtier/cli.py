@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -18,8 +19,30 @@ def _env_name(flag: str) -> str:
     return "KVTIER_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+#: Flags whose values are secrets: --help never shows their value (nor one from the environment).
+_SECRET_FLAG = re.compile(r"(password|token|api-key)$")
+
+
+class _HideSecretDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        if getattr(action, "kvtier_secret", False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _EnvDefaults(argparse.ArgumentParser):
-    """ArgumentParser whose options take their default from KVTIER_<FLAG>."""
+    """ArgumentParser whose options take their default from KVTIER_<FLAG>. An environment
+    value is checked like a command-line one (type and choices); a bad one is reported as a
+    usage error of the command that uses it, never as a traceback, and never breaks another
+    command (the parser of every subcommand is built whichever one runs). Abbreviated flags are
+    refused, so adding a flag can never change what an existing command line means."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        if kwargs.get("formatter_class") is argparse.ArgumentDefaultsHelpFormatter:
+            kwargs["formatter_class"] = _HideSecretDefaults  # --help shows no secret's value
+        super().__init__(*args, **kwargs)
+        self._env_errors: list[str] = []
 
     def add_argument(self, *names, **kwargs):  # type: ignore[override]
         flag = next((n for n in names if n.startswith("--")), None)
@@ -28,12 +51,38 @@ class _EnvDefaults(argparse.ArgumentParser):
             kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
             if env in os.environ:
                 raw = os.environ[env]
-                if kwargs.get("action") == "store_true":
-                    kwargs["default"] = raw.lower() in ("1", "true", "yes", "on")
-                else:
-                    kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
+                try:
+                    kwargs["default"] = _env_value(raw, kwargs)
+                except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                    self._env_errors.append(f"{env}={raw!r} (for {flag}): {exc}")
+                    kwargs["default"] = None
                 kwargs["required"] = False
-        return super().add_argument(*names, **kwargs)
+        action = super().add_argument(*names, **kwargs)
+        if flag and _SECRET_FLAG.search(flag):
+            action.kvtier_secret = True
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._env_errors:
+            self.error("; ".join(self._env_errors))
+        return super().parse_known_args(args, namespace)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _env_value(raw: str, kwargs: dict):
+    if kwargs.get("action") == "store_true":
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+    value = kwargs["type"](raw) if "type" in kwargs else raw
+    choices = kwargs.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"invalid choice (choose from {', '.join(map(str, choices))})")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -116,6 +165,44 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off).")
     p.add_argument("--metrics-host", default="127.0.0.1", help="Address the metrics server binds to.")
+    _add_security_flags(p)
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    """Credentials and TLS for the NATS and Redis connections of a command that makes them
+    (kvtier/nats_options.py, kvtier/connections.py). Secrets are best given by environment."""
+    options = getattr(p, "_option_string_actions", {})
+    if "--nats" in options:
+        # (plain add_argument, not a group: a group would bypass _EnvDefaults and its KVTIER_* defaults)
+        p.add_argument("--nats-user", default="", help="NATS user (with --nats-password; or user:password@ in the --nats URL).")
+        p.add_argument("--nats-password", default="", help="NATS password (prefer the environment variable).")
+        p.add_argument("--nats-token", default="", help="NATS authentication token (prefer the environment variable; or TOKEN@ in the URL).")
+        p.add_argument("--nats-nkey-seed", default="", metavar="FILE",
+                       help="File holding the NKey seed (SU...) of an NKey user.")
+        p.add_argument("--nats-creds", default="", metavar="FILE", help="NATS credentials file (user JWT and seed).")
+        p.add_argument("--nats-tls-ca", default="", metavar="FILE",
+                       help="CA bundle (PEM) that signed the server's certificate; implies TLS (as does tls://).")
+        p.add_argument("--nats-tls-cert", default="", metavar="FILE",
+                       help="Client certificate (PEM), for servers that verify clients.")
+        p.add_argument("--nats-tls-key", default="", metavar="FILE", help="The client certificate's key (PEM).")
+    if "--redis" in options:
+        p.add_argument("--redis-tls-ca", default="", metavar="FILE",
+                       help="CA bundle (PEM) that signed the Redis server's certificate; implies TLS (as do "
+                            "rediss:// and ?ssl_ca_certs=FILE in the URL). An ACL user and password go in the URL: "
+                            "redis://USER:PASSWORD@host:6379/0.")
+
+
+def _configure_connections(args) -> None:
+    """The one place the NATS options and the Redis TLS settings of this process are built."""
+    from kvtier import connections
+    from kvtier.nats_options import NatsOptions, configure
+
+    try:
+        configure(NatsOptions.from_args(args))
+        connections.configure(tls_ca=(getattr(args, "redis_tls_ca", None) or "").strip())
+    except ValueError as exc:
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _add_stream_flags(p: argparse.ArgumentParser) -> None:
@@ -637,6 +724,7 @@ def _setup(args) -> None:
         signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_connections(args)
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -43,6 +43,25 @@ def test_flags_default_from_environment(monkeypatch):
     assert args.nats == "nats://cli:1"  # the command line wins
 
 
+def test_environment_values_are_checked_like_flags(monkeypatch, capsys):
+    """A bad KVTIER_* value is a usage error naming the variable, only for the command that
+    uses it; a choice outside the list is refused; abbreviated flags are refused."""
+    monkeypatch.setenv("KVTIER_ROUTER_MODE", "fast")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["router", "--redis", "redis://x"])
+    assert exit_info.value.code == 2
+    assert "KVTIER_ROUTER_MODE='fast' (for --router-mode): invalid choice" in capsys.readouterr().err
+    monkeypatch.setenv("KVTIER_HEARTBEAT", "soon")  # a bridge flag: the processor does not care
+    args = build_parser().parse_args(["processor", "--nats", "nats://x", "--redis", "redis://y"])
+    assert args.command == "processor"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bridge", "--endpoint", "tcp://x:1", "--worker-id", "w", "--model", "m",
+                                   "--page-size", "4", "--nats", "nats://x"])
+    assert "KVTIER_HEARTBEAT='soon' (for --heartbeat)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["processor", "--nats", "nats://x", "--redis", "redis://y", "--partition", "1"])
+
+
 def test_missing_required_flag_is_named():
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bridge", "--endpoint", "tcp://x:1"],
                          capture_output=True, text=True)
