@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import importlib.resources
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -28,11 +29,30 @@ class ApplyStatus(enum.IntEnum):
     DUPLICATE = 1  # this seq was applied before (redelivery, duplicate publish)
     AHEAD = 2  # an earlier seq of this epoch has not been applied yet: a gap
     OLD_EPOCH = 3  # the worker has moved on to a newer epoch
+    NOT_READY = 4  # the model's incarnation marker is missing or not ready: nothing applied
 
 
 class ApplyMode(str, enum.Enum):
     NEXT = "next"  # apply only if this is the next batch in (epoch, seq) order
     REBASE = "rebase"  # give up on missing batches: clear, mark stale, continue from here
+
+
+@dataclass(frozen=True)
+class RebuildPlan:
+    """What a processor found in the stream for one worker of a model whose state was lost."""
+
+    worker_id: str
+    epoch: int  # the worker's current epoch
+    last_seq: int  # its last seq in the stream when scanned
+    start_stream_seq: int  # stream seq of the first message of the epoch the stream still holds
+    before_seq: int  # the worker seq just before that message: 0 when it is the epoch's batch 1
+    partition: int
+    live: bool  # announced within its lease
+
+    @property
+    def complete(self) -> bool:
+        """The stream holds the whole epoch: re-applying it rebuilds the worker exactly."""
+        return self.before_seq == 0 and self.live
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,22 @@ def _load_script(name: str) -> str:
 
 _APPLY_LUA = _load_script("apply.lua")
 _EXPIRE_LUA = _load_script("expire.lua")
+#: Claim the rebuild of a model whose marker is missing (or whose rebuild scan went silent).
+#: KEYS: 1 marker. ARGV: 1 owner, 2 now ms, 3 scan timeout ms, 4 new id.
+#: Returns {outcome, id}: 'created' | 'takeover' (this caller rebuilds) | 'held'.
+_CLAIM_LUA = """
+local m = redis.call('HMGET', KEYS[1], 'id', 'ready', 'scan_ms')
+if not m[1] then
+  redis.call('HSET', KEYS[1], 'id', ARGV[4], 'created_ms', ARGV[2], 'ready', '0', 'rebuilding', '1',
+             'scan_by', ARGV[1], 'scan_ms', ARGV[2])
+  return {'created', ARGV[4]}
+end
+if m[2] ~= '1' and (tonumber(m[3]) or 0) + tonumber(ARGV[3]) < tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[1], 'scan_by', ARGV[1], 'scan_ms', ARGV[2])
+  return {'takeover', m[1]}
+end
+return {'held', m[1]}
+"""
 _STORE, _REMOVE, _CLEAR = "S", "R", "C"
 
 
@@ -69,14 +105,20 @@ class TierStateWriter:
     """Writes tier state. `apply_many_async` is the same apply through an asyncio client, so
     a processor can decode the next messages while Redis applies these."""
 
-    def __init__(self, client: redis.Redis, async_client=None, root: str = DEFAULT_ROOT):
+    def __init__(self, client: redis.Redis, async_client=None, root: str = DEFAULT_ROOT, guarded: bool = False):
         """`root`: the key root written under ("kvt", live state; `kvtier replay` passes a
-        scratch namespace)."""
+        scratch namespace). `guarded` (the processor): never create a model's incarnation
+        marker on the way; a batch for a model without a ready marker is refused
+        (`NOT_READY`) and the processor rebuilds it. Unguarded writers (replay, tests,
+        benches) build a state from scratch, so they create the marker when they first
+        write a model."""
         self.client = client
         self.root = root
+        self.guarded = guarded
         self.models_key = models_key(root)
         self._apply = client.register_script(_APPLY_LUA)
         self._expire = client.register_script(_EXPIRE_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
         self._async_client = async_client
         self._apply_async = async_client.register_script(_APPLY_LUA) if async_client is not None else None
         self._registered_models: set[str] = set()
@@ -84,15 +126,31 @@ class TierStateWriter:
     def _register_models(self, batches: Sequence[EventBatch]) -> None:
         """Record each model in `kvt:models` once per process (outside the script: that key
         lives in another hash slot), so housekeeping and readers can find its workers."""
-        new = {ModelKeys.for_model(b.model).model_token for b in batches} - self._registered_models
+        self._register_tokens({ModelKeys.for_model(b.model).model_token for b in batches})
+
+    def _register_tokens(self, tokens: set[str]) -> None:
+        new = tokens - self._registered_models
         if new:
             self.client.sadd(self.models_key, *new)
+            if not self.guarded:
+                pipe = self.client.pipeline(transaction=False)
+                for token in new:
+                    marker = ModelKeys(token, self.root).incarnation
+                    for name, value in (("id", secrets.token_hex(8)), ("created_ms", _now_ms()), ("ready", 1),
+                                        ("rebuilding", 0), ("reason", "writer")):
+                        pipe.hsetnx(marker, name, value)
+                pipe.execute()
             self._registered_models |= new
+
+    def forget_models(self) -> None:
+        """Register models again on their next write (after the state store lost them)."""
+        self._registered_models.clear()
 
     def _call_args(self, batch: EventBatch, mode: ApplyMode, now_ms: int) -> tuple[list[str], list[str | int]]:
         keys = ModelKeys.for_model(batch.model, self.root)
         return (
-            [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers],
+            [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers,
+             keys.incarnation],
             ["", batch.worker_id, batch.epoch, batch.seq, mode.value,
              batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
              *_script_ops(batch)],
@@ -108,6 +166,8 @@ class TierStateWriter:
         each call is still atomic and order-checked on its own)."""
         if not batches:
             return []
+        if _is_cluster(self.client):
+            return [_result(r) for r in _cluster_evalsha_pipeline(self.client, self._apply, list(self._calls(batches)))]
         pipe = self.client.pipeline(transaction=False)
         for keys, args in self._calls(batches):
             self._apply(keys=keys, args=args, client=pipe)
@@ -118,10 +178,14 @@ class TierStateWriter:
             raise RuntimeError("TierStateWriter was created without an asyncio client")
         if not batches:
             return []
-        pipe = self._async_client.pipeline(transaction=False)
-        for keys, args in self._calls(batches):
-            await self._apply_async(keys=keys, args=args, client=pipe)
-        return [_result(r) for r in await pipe.execute()]
+        if _is_cluster(self._async_client):
+            calls = list(self._calls(batches))
+            return [_result(r) for r in await _cluster_evalsha_pipeline_async(self._async_client, self._apply_async,
+                                                                              calls)]
+        async with self._async_client.pipeline(transaction=False) as pipe:
+            for keys, args in self._calls(batches):
+                await self._apply_async(keys=keys, args=args, client=pipe)
+            return [_result(r) for r in await pipe.execute()]
 
     def _calls(self, batches: Sequence[EventBatch]):
         self._register_models(batches)
@@ -134,9 +198,13 @@ class TierStateWriter:
         state is marked stale."""
         meta = announce.metadata
         keys = ModelKeys.for_model(meta.model, self.root)
+        if not self.guarded:
+            self._register_tokens({keys.model_token})
         expiry_ms = int(((received_at or time.time()) + announce.lease_ttl_s) * 1000)
+        # `kvt:models` lives in another hash slot: a transaction over it and the model's keys
+        # would be cross-slot on Redis Cluster, so it is added first, on its own.
+        self.client.sadd(self.models_key, keys.model_token)
         pipe = self.client.pipeline(transaction=True)
-        pipe.sadd(self.models_key, keys.model_token)
         pipe.set(keys.meta(meta.worker_id), msgspec.json.encode(meta))
         pipe.zadd(keys.leases, {meta.worker_id: expiry_ms})
         pipe.sadd(keys.workers, meta.worker_id)
@@ -167,6 +235,143 @@ class TierStateWriter:
                 if pages >= 0:
                     removed.append((keys.model_token, worker_id, pages))
         return removed
+
+    # --- the incarnation marker and rebuilds after a loss (processor) ---------------------
+    def incarnation(self, token: str) -> dict[str, str]:
+        """The model's marker fields ({} when missing: the state store lost the model)."""
+        raw = self.client.hgetall(ModelKeys(token, self.root).incarnation)
+        return {as_text(k): as_text(v) for k, v in raw.items()}
+
+    def claim_rebuild(self, token: str, owner: str, scan_timeout_s: float) -> tuple[str, str]:
+        """('created' | 'takeover' | 'held', marker id): only a caller told 'created' or
+        'takeover' prepares the rebuild; meanwhile batches of the model are refused."""
+        outcome, marker_id = self._claim(keys=[ModelKeys(token, self.root).incarnation],
+                                         args=[owner, _now_ms(), int(scan_timeout_s * 1000), secrets.token_hex(8)])
+        return as_text(outcome), as_text(marker_id)
+
+    def prime_rebuild(self, token: str, plans: Sequence[RebuildPlan]) -> None:
+        """Set each worker's state so that the stream, redelivered from its epoch's start,
+        rebuilds it exactly: a complete epoch stands just before its batch 1 (no epoch, and an
+        `epoch_floor` under which apply.lua skips older epochs' batches). A worker whose epoch
+        began before the stream's retention is cleared and marked stale just before the
+        first batch the stream still holds (what `kvtier replay` gets by rebasing there); one
+        whose lease ran out is cleared and marked stale at its last seq, as the lease sweep
+        leaves it. One transaction."""
+        keys = ModelKeys(token, self.root)
+        now = _now_ms()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(keys.rebuild)
+        for plan in plans:
+            state = keys.state(plan.worker_id)
+            pipe.sadd(keys.workers, plan.worker_id)
+            if plan.complete:
+                pipe.hdel(state, "epoch", "seq")
+                pipe.hset(state, "epoch_floor", plan.epoch)
+                pipe.hset(keys.rebuild, plan.worker_id, f"{plan.epoch}:{plan.last_seq}")
+                continue
+            reason = "lease_expired" if not plan.live else "history_truncated"
+            pipe.unlink(keys.pages(plan.worker_id))
+            pipe.hdel(state, "n1", "n2", "n4", "n8")
+            seq = plan.before_seq if plan.live else plan.last_seq
+            pipe.hset(state, mapping={"epoch": plan.epoch, "seq": seq, "stale": 1,
+                                      "stale_reason": reason, "stale_since_ms": now})
+            pipe.sadd(keys.stale_workers, plan.worker_id)
+            if not plan.live:
+                pipe.zrem(keys.leases, plan.worker_id)
+                pipe.expire(state, 86400)
+        pipe.execute()
+
+    def finish_scan(self, token: str, rebuilding: bool, reason: str) -> None:
+        """Let batches of the model be applied again (after the consumers were rewound)."""
+        marker = ModelKeys(token, self.root).incarnation
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(marker, mapping={"ready": 1, "rebuilding": int(rebuilding), "reason": reason, "scan_by": "",
+                                   "scan_ms": 0, "ready_ms": _now_ms()})
+        pipe.execute()
+
+    def rebuild_progress(self, token: str) -> int:
+        """Drop from the model's rebuild list every worker that has reached its target (or has
+        since moved on: a newer epoch, marked stale); when none is left, clear `rebuilding`.
+        Returns how many are still behind."""
+        keys = ModelKeys(token, self.root)
+        targets = {as_text(w): as_text(t) for w, t in self.client.hgetall(keys.rebuild).items()}
+        behind = []
+        if targets:
+            pipe = self.client.pipeline(transaction=False)
+            for worker in targets:
+                pipe.hmget(keys.state(worker), "epoch", "seq", "stale")
+            done = []
+            for (worker, target), (epoch, seq, stale) in zip(targets.items(), pipe.execute()):
+                want_epoch, want_seq = (int(x) for x in target.split(":"))
+                epoch, seq = int(epoch or 0), int(seq or 0)
+                if epoch > want_epoch or (epoch == want_epoch and seq >= want_seq) or (stale or b"0") in (b"1", "1"):
+                    done.append(worker)
+                else:
+                    behind.append(worker)
+            if done:
+                self.client.hdel(keys.rebuild, *done)
+        if not behind:
+            self.client.hset(keys.incarnation, mapping={"rebuilding": 0, "rebuilt_ms": _now_ms()})
+        return len(behind)
+
+
+# --- Redis Cluster ---------------------------------------------------------------------------
+# redis-py's cluster pipelines refuse `evalsha` (the method), and a Script passed a pipeline
+# calls it. Queued as a raw EVALSHA command it is routed by its keys (all in the model's
+# slot) and pipelined per node like any other command. A node that does not have the script
+# yet (a fresh or failed-over master) answers NOSCRIPT: the script is loaded on every
+# primary and only the calls refused are sent again, in their order (a worker's batches all
+# go to one node, so a refused batch and every later one of that worker were refused alike).
+def _is_cluster(client) -> bool:
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+def _queue_evalsha(pipe, script, calls, todo) -> None:
+    for i in todo:
+        keys, args = calls[i]
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+def _sort_replies(replies, todo, results) -> list[int]:
+    """Store replies; return the indexes refused with NOSCRIPT; raise any other error."""
+    missing = []
+    for i, reply in zip(todo, replies):
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            missing.append(i)
+        elif isinstance(reply, Exception):
+            raise reply
+        else:
+            results[i] = reply
+    return missing
+
+
+def _cluster_evalsha_pipeline(client, script, calls: list) -> list:
+    results: list = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for _attempt in range(3):
+        pipe = client.pipeline(transaction=False)
+        _queue_evalsha(pipe, script, calls, todo)
+        todo = _sort_replies(pipe.execute(raise_on_error=False), todo, results)
+        if not todo:
+            return results
+        client.script_load(script.script)
+    raise redis.exceptions.NoScriptError("the apply script could not be loaded on every cluster node")
+
+
+async def _cluster_evalsha_pipeline_async(client, script, calls: list) -> list:
+    results: list = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for _attempt in range(3):
+        pipe = client.pipeline(transaction=False)
+        _queue_evalsha(pipe, script, calls, todo)
+        todo = _sort_replies(await pipe.execute(raise_on_error=False), todo, results)
+        if not todo:
+            return results
+        await client.script_load(script.script)
+    raise redis.exceptions.NoScriptError("the apply script could not be loaded on every cluster node")
 
 
 def as_text(value: bytes | str) -> str:

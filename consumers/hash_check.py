@@ -18,6 +18,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvtier.schemas.events import EpochReason, EventBatch, PagesStored, token_ids_of
 from kvtier.schemas.hashes import BlockHash, PageDigest, block_hash_of_digest, page_key, sglang_page_digests
 from kvtier.schemas.health import HashCheck, HashMismatchKind
@@ -103,7 +105,10 @@ class HashValidator:
                       outcome: HashOutcome) -> None:
         check = self._check_of(model, worker)
         pages = len(event.hashes)
-        tokens = token_ids_of(event)
+        try:
+            tokens = token_ids_of(event)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            tokens = []  # not a list of uint32 token ids (input from outside the bridge): nothing to recompute
         if not tokens:
             return self._unverifiable(check, model, pages, outcome)
         if len(tokens) != pages * event.page_size:

@@ -71,5 +71,10 @@ class PartitionLeases:
         self.client.zrem(PROCESSORS_KEY, self.owner)
 
     def owners(self) -> dict[int, str | None]:
-        values = self.client.mget([partition_key(p) for p in range(self.partitions)])
+        # one GET per key, pipelined: the lease keys sit in different hash slots, so an MGET
+        # over them is refused by Redis Cluster
+        pipe = self.client.pipeline(transaction=False)
+        for p in range(self.partitions):
+            pipe.get(partition_key(p))
+        values = pipe.execute()
         return {p: as_text(v) if v is not None else None for p, v in enumerate(values)}

@@ -7,6 +7,18 @@ On start each consumer is rewound to its ack floor, so what a crashed processor 
 redelivered at once, in stream order, instead of after ack_wait.
 A gap (a later seq arrives first) is held back (nak with delay) for `gap_timeout_s`; then
 the worker is rebased: cleared, marked stale, and its bridge is asked to resync.
+
+State-store loss: every model's state carries an incarnation marker (`kvt:{m}:incarnation`).
+The apply script refuses batches of a model whose marker is missing (a Redis restart without
+persistence, FLUSHALL, failover to an empty replica) and a housekeeping probe looks for it
+every `reap_interval_s`. One processor claims the rebuild (the marker, re-created "not
+ready", holds back every processor's batches and tells routers to route on load only); it
+finds each worker's current epoch in the stream, primes the worker to stand just before the
+epoch's first batch (or, where retention no longer holds it, clears it, marks it stale and
+asks its bridge to resync), rewinds the partitions' durable consumers to the earliest epoch
+start, and marks the marker ready; the stream then rebuilds the state through the ordinary
+apply path, and the marker's `rebuilding` flag is cleared once every worker is back at the
+seq it had reached when the loss was found.
 """
 
 from __future__ import annotations
@@ -14,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -27,14 +41,21 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvtier.connections import redact, redis_async_client, redis_client
-from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter, as_text
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
-from kvtier.consumers.pull import PullStream
+from kvtier.consumers.pull import ConsumerGone, PullStream
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
 from kvtier.schemas.health import decode_hash_check, encode_hash_check
-from kvtier.schemas.state_keys import ModelKeys
-from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, dlq_subject, partition_filter, subject_token
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.subjects import (
+    EVENTS_PREFIX,
+    EVENTS_STREAM,
+    control_subject,
+    dlq_subject,
+    partition_filter,
+    subject_token,
+)
 from kvtier.streams import StreamSettings, connect_nats, ensure_streams
 
 log = logging.getLogger("kvtier.processor")
@@ -58,6 +79,10 @@ HASH_PAGES = Counter("kvtier_processor_hash_checked_pages_total",
 HASH_MISMATCHES = Counter("kvtier_processor_hash_mismatch_pages_total",
                           "Stored pages whose published hash is not SGLang's chain over their tokens",
                           ["model", "worker", "kind"])
+REBUILDS = Counter("kvtier_processor_state_rebuilds_total",
+                   "Models whose tier state was rebuilt from the stream after its incarnation marker went "
+                   "missing; reason lost (acked batches had to be re-applied) or new (nothing was lost)", ["reason"])
+REBUILDING = Gauge("kvtier_processor_rebuilding_models", "Models whose state is being rebuilt from the stream")
 LAG = Histogram("kvtier_processor_event_lag_seconds", "Engine emit -> visible in Redis",
                 buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
@@ -81,6 +106,10 @@ class ProcessorConfig:
     hash_check: bool = True
     #: At most this many pages recomputed per second (0: no limit).
     hash_check_budget: float = DEFAULT_BUDGET_PAGES_PER_S
+    #: A rebuild claimed by a processor that then went silent this long is taken over.
+    rebuild_scan_timeout_s: float = 10.0
+    #: A worker whose last message is older than this (when it announced no lease) counts as dead.
+    default_lease_s: float = 10.0
 
 
 class Processor:
@@ -88,7 +117,13 @@ class Processor:
         self.cfg = config
         self.redis = redis_client(config.redis_url, socket_timeout=10, health_check_interval=5)
         self.redis_async = redis_async_client(config.redis_url, socket_timeout=10, health_check_interval=5)
-        self.writer = TierStateWriter(self.redis, self.redis_async)
+        self.writer = TierStateWriter(self.redis, self.redis_async, guarded=True)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        #: Model tokens seen in messages: probed for their incarnation marker even after the
+        #: state store lost `kvt:models`.
+        self._models_seen: set[str] = set()
+        self._incarnations: dict[str, str] = {}  # model token -> marker id last seen
+        self._recovering: dict[str, asyncio.Task] = {}
         self.nc = None
         self.js = None
         self.partitions: list[int] = []
@@ -113,6 +148,7 @@ class Processor:
             bad = [p for p in self.partitions if not 0 <= p < total]
             if bad:
                 raise ValueError(f"partitions {bad} do not exist: the stream has {total} (0..{total - 1})")
+            await self._prepare_models()
             if self.cfg.auto_partitions:
                 tasks = [asyncio.create_task(self._own_partitions_dynamically(total, stop))]
             else:
@@ -128,6 +164,9 @@ class Processor:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     raise result
         finally:
+            for task in self._recovering.values():
+                task.cancel()  # a rebuild cut short is taken over (or redone) by the next probe
+            await asyncio.gather(*self._recovering.values(), return_exceptions=True)
             with contextlib.suppress(redis.RedisError):
                 await self._persist_hash_checks()
             # close, not drain: draining pull subscriptions can wait forever in nats-py, and
@@ -151,12 +190,16 @@ class Processor:
         return False
 
     # --- consuming --------------------------------------------------------------------------
+    def _consumer_config(self, partition: int) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=f"{self.cfg.durable_prefix}-p{partition}", filter_subject=partition_filter(partition),
+            ack_policy=AckPolicy.EXPLICIT, ack_wait=self.cfg.ack_wait_s, max_ack_pending=50_000, max_deliver=-1,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+
     async def _subscribe(self, partition: int, rewind: bool) -> PullStream:
         durable = f"{self.cfg.durable_prefix}-p{partition}"
-        config = ConsumerConfig(
-            durable_name=durable, filter_subject=partition_filter(partition), ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.cfg.ack_wait_s, max_ack_pending=50_000, max_deliver=-1, deliver_policy=DeliverPolicy.ALL,
-        )
+        config = self._consumer_config(partition)
         try:
             info = await self.js.consumer_info(EVENTS_STREAM, durable)
         except nats.js.errors.NotFoundError:
@@ -235,11 +278,19 @@ class Processor:
             except Exception as exc:  # noqa: BLE001 - a consumer loop must survive broker hiccups
                 if stop.is_set():
                     break
-                log.warning("partition %d: pull failed (%r); re-subscribing", partition, exc)
+                if isinstance(exc, ConsumerGone) and "Deleted" in str(exc):
+                    log.info("partition %d: its consumer was re-created (rewound); re-subscribing", partition)
+                else:
+                    log.warning("partition %d: pull failed (%r); re-subscribing", partition, exc)
                 await asyncio.sleep(0.5)
                 await pull.close()
-                with contextlib.suppress(Exception):
-                    pull = await self._subscribe(partition, rewind=False)
+                while not stop.is_set():  # a closed pull would wait forever: retry until subscribed
+                    try:
+                        pull = await self._subscribe(partition, rewind=False)
+                        break
+                    except Exception as sub_exc:  # noqa: BLE001 - e.g. no consumer leader yet (NATS cluster)
+                        log.warning("partition %d: re-subscribing failed (%r); retrying", partition, sub_exc)
+                        await asyncio.sleep(0.5)
                 continue
             if not messages:
                 continue
@@ -291,6 +342,7 @@ class Processor:
         return await self.writer.apply_many_async([batch for _, batch in chunk])
 
     async def _announce(self, msg, announce: WorkerAnnounce) -> None:
+        self._models_seen.add(subject_token(announce.metadata.model))
         stale = await asyncio.to_thread(self.writer.announce, announce)
         self._page_sizes[(announce.metadata.model, announce.metadata.worker_id)] = announce.metadata.page_size
         ANNOUNCES.inc()
@@ -303,6 +355,13 @@ class Processor:
         now = time.time()
         for (msg, batch), result in zip(chunk, results):
             key = (batch.model, batch.worker_id)
+            self._models_seen.add(subject_token(batch.model))
+            if result.status == ApplyStatus.NOT_READY:
+                # The model's state is gone or being prepared for a rebuild: hand it back.
+                SKIPPED.labels("not_ready").inc()
+                self._start_recovery(subject_token(batch.model))
+                await msg.nak(delay=0.5)
+                continue
             if result.status == ApplyStatus.AHEAD:
                 if await self._hold_back(msg, key, now):
                     continue
@@ -397,7 +456,14 @@ class Processor:
         headers = {"Kvtier-Reason": reason[:1024], "Kvtier-Stage": "processor", "Kvtier-Source-Subject": msg.subject}
         if msg.metadata and msg.metadata.sequence:
             headers["Kvtier-Stream-Seq"] = str(msg.metadata.sequence.stream)
-        await self.js.publish(dlq_subject("processor", model, worker), msg.data, headers=headers, timeout=5.0)
+        data = msg.data
+        # With these headers a message near max_payload would be over it (the server then drops
+        # the connection): keep what fits, say how long it was (the stream still holds it all).
+        limit = (self.nc.max_payload or 1 << 20) - (8 << 10)
+        if len(data) > limit:
+            headers["Kvtier-Truncated-From"] = str(len(data))
+            data = data[:limit]
+        await self.js.publish(dlq_subject("processor", model, worker), data, headers=headers, timeout=5.0)
         await msg.ack()  # only after the dead letter is stored: nothing is lost
 
     async def _request_resync(self, model: str, worker_id: str, reason: str) -> None:
@@ -418,6 +484,7 @@ class Processor:
                     EXPIRED.inc()
                     log.warning("%s/%s: lease expired; removed its %d pages", model, worker, pages)
                 STALE_WORKERS.set(await asyncio.to_thread(self.writer.count_stale_workers))
+                await self._probe_incarnations()
                 await self._persist_hash_checks()
                 for partition in self.partitions:
                     info = await self.js.consumer_info(EVENTS_STREAM, f"{self.cfg.durable_prefix}-p{partition}")
@@ -430,3 +497,186 @@ class Processor:
                 await asyncio.wait_for(stop.wait(), self.cfg.reap_interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    # --- state-store loss: detection and rebuild from the stream ---------------------------
+    async def _probe_incarnations(self) -> None:
+        """Check every known model's marker: missing -> rebuild; a rebuild claimed by a silent
+        processor -> take it over; rebuilding -> note which workers have caught up."""
+        tokens = self._models_seen | {as_text(t) for t in await self.redis_async.smembers(MODELS_KEY)}
+        if not tokens:
+            return
+        ordered = sorted(tokens)
+        async with self.redis_async.pipeline(transaction=False) as pipe:
+            for token in ordered:
+                pipe.hmget(ModelKeys(token).incarnation, "id", "ready", "rebuilding", "scan_ms", "created_ms")
+            markers = await pipe.execute()
+        now_ms = time.time() * 1000
+        rebuilding = 0
+        for token, fields in zip(ordered, markers):
+            marker_id, ready, building, scan_ms, created_ms = (as_text(f) if f is not None else None for f in fields)
+            if marker_id is None:
+                self._start_recovery(token)
+                continue
+            if ready != "1":
+                rebuilding += 1
+                if now_ms - float(scan_ms or 0) > self.cfg.rebuild_scan_timeout_s * 1000:
+                    self._start_recovery(token)
+                continue
+            known = self._incarnations.get(token)
+            if known != marker_id:
+                if known is not None:
+                    log.warning("model %s: its state store was re-created (incarnation %s -> %s)", token, known,
+                                marker_id)
+                    self.writer.forget_models()
+                self._incarnations[token] = marker_id
+            if building == "1":
+                behind = await asyncio.to_thread(self.writer.rebuild_progress, token)
+                if behind:
+                    rebuilding += 1
+                else:
+                    log.warning("model %s: tier state rebuilt from the stream, %.1fs after the loss was found",
+                                token, (now_ms - float(created_ms or now_ms)) / 1000)
+        REBUILDING.set(rebuilding)
+
+    async def _prepare_models(self) -> None:
+        """Before consuming: every model in the stream whose marker is missing (a first start,
+        or a store that lost it while no processor ran) is prepared for its rebuild now,
+        rather than after its first batches have been pulled only to be refused."""
+        try:
+            info = await self.js.stream_info(EVENTS_STREAM, subjects_filter=f"{EVENTS_PREFIX}.>")
+            tokens = sorted({s.split(".")[2] for s in (info.state.subjects or {}) if len(s.split(".")) == 5})
+            self._models_seen.update(tokens)
+            for token in tokens:
+                if not await self.redis_async.exists(ModelKeys(token).incarnation):
+                    await self._recover(token)
+        except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("could not check the models' state before consuming (%s); the probe will", exc)
+
+    def _start_recovery(self, token: str) -> None:
+        task = self._recovering.get(token)
+        if task is None or task.done():
+            self._recovering[token] = asyncio.create_task(self._recover(token))
+
+    async def _recover(self, token: str) -> None:
+        try:
+            outcome, marker_id = await asyncio.to_thread(self.writer.claim_rebuild, token, self.owner,
+                                                         self.cfg.rebuild_scan_timeout_s)
+            if outcome == "held":
+                return  # ready, or another processor is preparing the rebuild
+            started = time.monotonic()
+            self.writer.forget_models()
+            plans = await self._scan_model(token)
+            await asyncio.to_thread(self.writer.prime_rebuild, token, plans)
+            starts: dict[int, int] = {}
+            for plan in plans:
+                if plan.live:
+                    starts[plan.partition] = min(starts.get(plan.partition, plan.start_stream_seq),
+                                                 plan.start_stream_seq)
+            lost = await self._rewind(starts)
+            reason = "lost" if lost else "new"
+            await asyncio.to_thread(self.writer.finish_scan, token, any(p.complete for p in plans), reason)
+            self._incarnations[token] = marker_id
+            self._ahead_since = {k: v for k, v in self._ahead_since.items() if subject_token(k[0]) != token}
+            REBUILDS.labels(reason if outcome == "created" else "takeover").inc()
+            complete = sum(p.complete for p in plans)
+            log_at = log.warning if lost or outcome != "created" else log.info
+            log_at("model %s: no state in the store (incarnation marker missing%s); %s: %d workers rebuilt from "
+                   "the stream (partitions %s rewound), %d marked stale; prepared in %.2fs", token,
+                   ", taken over" if outcome == "takeover" else "",
+                   "acknowledged batches were lost" if lost else "nothing acknowledged was lost", complete,
+                   sorted(starts) or "none", len(plans) - complete, time.monotonic() - started)
+            for plan in plans:
+                if plan.live and not plan.complete:
+                    log.error("%s/%s: the stream no longer holds the start of epoch %d (retention); marked stale, "
+                              "asking its bridge to resync", token, plan.worker_id, plan.epoch)
+                    await self._request_resync(token, plan.worker_id, "state store lost and history truncated")
+        except (redis.RedisError, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+            log.warning("model %s: preparing the rebuild failed (%s); retrying", token, exc)
+        except Exception:  # noqa: BLE001 - the probe retries; the marker stays not ready meanwhile
+            log.exception("model %s: preparing the rebuild failed", token)
+
+    async def _scan_model(self, token: str) -> list[RebuildPlan]:
+        """Each worker of the model in the stream: its current epoch, its last seq, where the
+        epoch's batch 1 is (a binary search over stream seqs), and whether it is live."""
+        info = await self.js.stream_info(EVENTS_STREAM, subjects_filter=f"{EVENTS_PREFIX}.{token}.*.*")
+        first = info.state.first_seq
+        now = time.time()
+        plans: list[RebuildPlan] = []
+        for subject in sorted(info.state.subjects or {}):
+            tokens = subject.split(".")
+            if len(tokens) != 5 or not tokens[4].isdigit():
+                continue
+            try:
+                last = await self.js.get_last_msg(EVENTS_STREAM, subject)
+            except nats.js.errors.NotFoundError:
+                continue
+            position = _position(last.data)
+            if position is None or position[1] <= 0 or position[2] <= 0:
+                continue  # no batch of an epoch yet: nothing to rebuild
+            worker_id, epoch, seq, lease_s = position
+            live = last.time.timestamp() + (lease_s or self.cfg.default_lease_s) >= now if last.time else True
+            start, before = await self._epoch_start(subject, epoch, first, last.seq)
+            plans.append(RebuildPlan(worker_id, epoch, seq, start, before if before is not None else seq,
+                                     int(tokens[4]), live))
+        return plans
+
+    async def _epoch_start(self, subject: str, epoch: int, lo: int, hi: int) -> tuple[int, int | None]:
+        """(stream seq, worker seq just before it) of the first message of `epoch` on
+        `subject` that the stream still holds: (seq of batch 1, 0) when it holds the whole
+        epoch. A worker's epochs only grow along the stream, so that message is found by
+        bisecting on "the next message of this worker from here is of `epoch` or later"."""
+        found = None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            msg = await self.js.get_msg(EVENTS_STREAM, seq=mid, subject=subject, next=True)
+            position = _position(msg.data)
+            if position is not None and position[1] >= epoch:
+                hi, found = mid, msg
+            else:
+                lo = msg.seq + 1
+        if found is None:  # found is always the first message from `lo` on
+            found = await self.js.get_msg(EVENTS_STREAM, seq=lo, subject=subject, next=True)
+        try:
+            message = decode_message(found.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
+            return found.seq, None
+        if isinstance(message, EventBatch):
+            return found.seq, message.seq - 1
+        return found.seq, message.cursor.seq  # an announcement: the next batch follows its cursor
+
+    async def _rewind(self, starts: dict[int, int]) -> bool:
+        """Re-create each partition's durable consumer at its start (never past its ack floor:
+        other workers' unacked messages are kept). True if acked messages are delivered again."""
+        lost = False
+        for partition, start in sorted(starts.items()):
+            durable = f"{self.cfg.durable_prefix}-p{partition}"
+            try:
+                info = await self.js.consumer_info(EVENTS_STREAM, durable)
+            except nats.js.errors.NotFoundError:
+                continue  # created later from the stream's first message: nothing to rewind
+            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            if start > floor and not info.num_ack_pending:
+                continue  # nothing acknowledged is needed again and nothing is in flight
+            lost = lost or start <= floor
+            config = self._consumer_config(partition)
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = min(start, floor + 1)
+            await self.js.delete_consumer(EVENTS_STREAM, durable)
+            try:
+                await self.js.add_consumer(EVENTS_STREAM, config)
+            except nats.js.errors.BadRequestError:
+                pass  # a consuming processor re-created it meanwhile, from the stream's start
+            log.info("partition %d: consumer rewound to stream seq %d to rebuild lost state", partition,
+                     config.opt_start_seq)
+        return lost
+
+
+def _position(data: bytes | None) -> tuple[str, int, int, float | None] | None:
+    """(worker, epoch, seq, lease seconds or None) of a stream message, None if undecodable."""
+    try:
+        message = decode_message(data or b"")
+    except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
+        return None
+    if isinstance(message, WorkerAnnounce):
+        return message.metadata.worker_id, message.cursor.epoch, message.cursor.seq, message.lease_ttl_s
+    return message.worker_id, message.epoch, message.seq, None

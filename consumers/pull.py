@@ -20,6 +20,28 @@ _PENDING = "Nats-Pending-Messages"
 _HEARTBEAT, _NO_MESSAGES, _TIMEOUT = "100", "404", "408"
 
 
+def tolerate_undecodable_subjects(nc) -> None:
+    """Let `nc` receive messages whose subject is not UTF-8. Anyone who may publish on
+    `kvtier.events.*.*` can store such a subject in the stream, and nats-py decodes subjects
+    strictly inside its read loop: one such message would break the connection at every
+    redelivery, and no later message would ever be consumed. Here the undecodable bytes are
+    written as backslash escapes (an ASCII subject that matches no worker's), so the message
+    reaches its consumer, which dead-letters it."""
+    if getattr(nc, "_kvtier_tolerant_subjects", False):
+        return
+    build = nc._build_message
+
+    def build_message(sid, subject, reply, data, headers):
+        try:
+            return build(sid, subject, reply, data, headers)
+        except UnicodeDecodeError:
+            return build(sid, subject.decode(errors="backslashreplace").encode(),
+                         reply.decode(errors="backslashreplace").encode(), data, headers)
+
+    nc._build_message = build_message
+    nc._kvtier_tolerant_subjects = True
+
+
 class ConsumerGone(RuntimeError):
     """The server ended our pulls for good (consumer deleted, leadership change, ...)."""
 
@@ -37,6 +59,7 @@ class PullStream:
         self._last_heard = time.monotonic()
 
     async def start(self) -> "PullStream":
+        tolerate_undecodable_subjects(self.nc)
         self.sub = await self.nc.subscribe(self.inbox, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30)
         return self
 

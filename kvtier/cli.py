@@ -174,9 +174,11 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
     options = getattr(p, "_option_string_actions", {})
     if "--nats" in options:
         # (plain add_argument, not a group: a group would bypass _EnvDefaults and its KVTIER_* defaults)
-        p.add_argument("--nats-user", default="", help="NATS user (with --nats-password; or user:password@ in the --nats URL).")
+        p.add_argument("--nats-user", default="",
+                       help="NATS user (with --nats-password; or user:password@ in the --nats URL).")
         p.add_argument("--nats-password", default="", help="NATS password (prefer the environment variable).")
-        p.add_argument("--nats-token", default="", help="NATS authentication token (prefer the environment variable; or TOKEN@ in the URL).")
+        p.add_argument("--nats-token", default="",
+                       help="NATS authentication token (prefer the environment variable; or TOKEN@ in the URL).")
         p.add_argument("--nats-nkey-seed", default="", metavar="FILE",
                        help="File holding the NKey seed (SU...) of an NKey user.")
         p.add_argument("--nats-creds", default="", metavar="FILE", help="NATS credentials file (user JWT and seed).")
@@ -551,13 +553,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Seconds a booking holds load if never released (a router died mid-request).")
     r.add_argument("--state-timeout-ms", type=_positive_float, default=250.0,
                    help="Redis call budget; past it the decision routes by load/round robin.")
-    r.add_argument("--max-request-tokens", type=_positive_int, default=1 << 20,
-                   help="Longest token_ids accepted (longer: 413).")
+    r.add_argument("--max-request-tokens", type=_positive_int, default=1 << 18,
+                   help="Longest token_ids accepted (longer: 413). The overlap walk of a request grows with its "
+                        "pages; a 10^6-token request takes ~0.6 s of Redis time here, past the default "
+                        "--state-timeout-ms, and would send this replica to load-only routing for everyone: raise "
+                        "both together for very long contexts.")
     r.add_argument("--max-body-bytes", type=_positive_int, default=32 << 20, help="Largest request body (413).")
     r.add_argument("--proxy", action="store_true",
                    help="Also serve SGLang's /generate: route, forward to the worker, stream the answer back.")
     r.add_argument("--model", default="", help="Model of proxied requests that name none.")
     r.add_argument("--router-id", default="", help="Name in the decision log (default: random).")
+    r.add_argument("--auth-token", default="",
+                   help="Require 'Authorization: Bearer <token>' on every path but /healthz (/v1/route, "
+                        "/v1/release, /generate; /metrics with --protect-metrics), else 401; prefer the environment "
+                        "variable or --auth-token-file. Empty: no auth.")
+    r.add_argument("--auth-token-file", default="", metavar="FILE",
+                   help="Read the --auth-token from this file (surrounding whitespace ignored).")
+    r.add_argument("--protect-metrics", action="store_true",
+                   help="With an auth token, /metrics requires it too (/healthz always stays open).")
     _add_common(r)
 
     w = sub.add_parser("sim-worker", help="Simulated SGLang HiCache workers speaking SGLang's KV-event wire format.",
@@ -708,7 +721,102 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=1)
     rp.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(rp)
+    _add_soak_parser(bench_sub)
+    _add_faults_parser(bench_sub)
+    _add_fuzz_parser(bench_sub)
     return parser
+
+
+def _add_fuzz_parser(bench_sub) -> None:
+    """`kvtier bench fuzz` (kvtier/bench/fuzz.py)."""
+    fz = bench_sub.add_parser(
+        "fuzz", help="Fuzz every decoder of untrusted input (hypothesis), then the real router, bridge and "
+                     "processor with bad input; reports cases per target and failures (target 0).",
+        description="In process: each decoder (SGLang payloads/events/frames, kvtier stream and control messages, "
+                    "worker metadata and hash checks from Redis, SGLang's and Mooncake's HTTP replies, the router's "
+                    "request bodies) gets valid messages, perturbed ones (wrong types, NaN/inf, out-of-range ints, "
+                    "unknown tiers, invalid UTF-8, deep nesting, huge arrays), byte mutations and random bytes; it "
+                    "must return a typed value or raise its documented errors. Then, on embedded servers: fuzzed "
+                    "HTTP requests against a real `kvtier router --proxy` (4xx naming the problem, never 5xx), "
+                    "fuzzed engine payloads through a real bridge and processor, and fuzzed stream messages through "
+                    "a real processor (each bad input dead-lettered with a reason, the good state exact). "
+                    "Exit 0 when nothing failed, else 1. Needs hypothesis (pip install -e '.[test]').",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fz.add_argument("--cases", type=_positive_int, default=100_000,
+                    help="In-process decoder cases in total, shared among the decoders.")
+    fz.add_argument("--seed", type=int, default=1, help="Hypothesis seed (one run is reproducible).")
+    fz.add_argument("--mutants", type=int, default=15,
+                    help="Quick byte mutants checked beside each input hypothesis draws (0: none).")
+    fz.add_argument("--process-cases", type=int, default=None,
+                    help="Requests through the real router; a 25th of it is the number of examples (of "
+                         "about 6 inputs each) through the real bridge, and through the real processor "
+                         "(default: cases/50, 100..2000).")
+    fz.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(fz)
+
+
+def _add_faults_parser(bench_sub) -> None:
+    """`kvtier bench faults` (kvtier/bench/faults.py)."""
+    fp = bench_sub.add_parser(
+        "faults", help="A seeded schedule of crashes and outages (processor, bridge, nats-server, Redis with AOF "
+                       "and once without persistence, engine restart, paused processor) during a sustained event "
+                       "stream; then the live state is compared page for page with a replay of the stream.",
+        description="Simulated HiCache engines publish SGLang's wire format to real bridges, nats-server "
+                    "(JetStream, file storage), processors and a Redis-protocol server, each in its own process. "
+                    "Faults are injected one at a time and each recovery is timed (repair -> every worker caught "
+                    "up, none stale, no model rebuilding). At the end the live state is compared with a replay of "
+                    "the stream and with every engine's own view. Exit 0 when nothing diverges and every fault "
+                    "recovered, else 1.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fp.add_argument("--faults", type=_positive_int, default=24, help="Faults to inject (>= 7 covers every kind).")
+    fp.add_argument("--seed", type=int, default=1, help="Seed of the schedule, the targets and the workload.")
+    fp.add_argument("--duration", type=_positive_float, default=150.0,
+                    help="Seconds of event stream the faults are spread over.")
+    fp.add_argument("--workers", type=_positive_int, default=4, help="Simulated engines, one bridge each.")
+    fp.add_argument("--processors", type=int, choices=[1, 2], default=2,
+                    help="Processors, each owning half of the partitions.")
+    fp.add_argument("--rate", type=_positive_float, default=40.0, help="Requests per second per engine.")
+    fp.add_argument("--log-dir", default="", help="Copy every process's log here.")
+    fp.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(fp)
+
+
+def _add_soak_parser(bench_sub) -> None:
+    """`kvtier bench soak` (kvtier/bench/soak.py)."""
+    sk = bench_sub.add_parser(
+        "soak", help="Steady event and routing load through phases (steady, evict, refill, workers die, tail): "
+                     "does memory (processor/router/bridge RSS, Redis, JetStream) track live pages?",
+        description="The whole stack as processes on embedded loopback servers, a looping trace-shaped request "
+                    "stream routed, served and released; samples RSS, Redis used_memory and keys, live page "
+                    "entries per tier, bookings and JetStream bytes; prints per-phase medians and the verdicts. "
+                    "Exit 0 when every verdict passes, else 1.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sk.add_argument("--minutes", type=_positive_float, default=10.0, help="Length of the load (0.5 to 15).")
+    sk.add_argument("--sample-s", type=_positive_float, default=None,
+                    help="Seconds between samples (default: the run / 120, within 1..10).")
+    sk.add_argument("--rate", type=_positive_float, default=10.0, help="Requests per second (at most 50).")
+    sk.add_argument("--warm-up-s", type=_non_negative_float, default=60.0,
+                    help="Seconds of trace load before the measured run (not counted in --minutes): the processes' "
+                         "bounded caches fill; then every rank is flushed and Redis's baseline taken.")
+    sk.add_argument("--sim-workers", type=_positive_int, default=2,
+                    help="sim-worker processes, each with its own bridge.")
+    sk.add_argument("--ranks", type=_positive_int, default=2, help="Simulated workers per sim-worker.")
+    sk.add_argument("--die", type=_positive_int, default=1,
+                    help="sim-workers (and their bridges) killed in the die phase.")
+    sk.add_argument("--routers", type=_positive_int, default=2, help="Router replicas (1 to 4).")
+    sk.add_argument("--page-size", type=_positive_int, default=16, help="Tokens per KV page.")
+    sk.add_argument("--device-pages", type=_positive_int, default=1024, help="GPU pool per rank, in pages.")
+    sk.add_argument("--host-pages", type=_positive_int, default=4096, help="Host pool per rank, in pages.")
+    sk.add_argument("--max-prompt-tokens", type=_positive_int, default=8192, help="Trace prompts cut to this.")
+    sk.add_argument("--lease-ttl", type=_positive_float, default=5.0, help="The bridges' --lease-ttl.")
+    sk.add_argument("--stream-max-age", type=_positive_float, default=120.0,
+                    help="Retention of the events and decisions streams in seconds (JetStream's minimum for the "
+                         "events stream: its 120 s duplicate window).")
+    sk.add_argument("--trace", default="", help="Mooncake-format trace (default: the sample shipped in kvtier/data).")
+    sk.add_argument("--seed", type=int, default=1)
+    sk.add_argument("--plot", default="", help="Write a PNG of the series here.")
+    sk.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(sk)
 
 
 def _interrupt(signum, frame) -> None:
@@ -750,6 +858,25 @@ def _run_until_signal(main) -> None:
     asyncio.run(runner())
 
 
+def _auth_token(args) -> str:
+    """The router's bearer token, from --auth-token or --auth-token-file (not both)."""
+    token = args.auth_token.strip()
+    if args.auth_token_file:
+        if token:
+            raise SystemExit("kvtier router: give --auth-token or --auth-token-file, not both")
+        try:
+            with open(args.auth_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"kvtier router: --auth-token-file: cannot read {args.auth_token_file!r} "
+                             f"({exc.strerror or exc})") from None
+        if not token:
+            raise SystemExit(f"kvtier router: --auth-token-file {args.auth_token_file!r} is empty")
+    if args.protect_metrics and not token:
+        raise SystemExit("kvtier router: --protect-metrics needs --auth-token or --auth-token-file")
+    return token
+
+
 async def _run_router(args, stop) -> None:
     from kvtier.router.service import RouterConfig, ServiceSettings, run_router
     from kvtier.schemas.routing import ScoringWeights
@@ -767,7 +894,8 @@ async def _run_router(args, stop) -> None:
             disk_cache_hit_weight=args.disk_cache_hit_weight, shared_cache_multiplier=args.shared_cache_multiplier,
             prefill_load_scale=args.prefill_load_scale, temperature=args.temperature),
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
-                                proxy=args.proxy, default_model=args.model),
+                                proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
+                                protect_metrics=args.protect_metrics),
     )
     await run_router(config, stop, ready=lambda port: print(f"kvtier router listening on http://{args.host}:{port}",
                                                             flush=True))
@@ -888,6 +1016,18 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.bench.ingest import run_ingest_bench
 
             return run_ingest_bench(args)
+        elif args.command == "bench" and args.bench == "soak":
+            from kvtier.bench.soak import run_soak_bench
+
+            return run_soak_bench(args)
+        elif args.command == "bench" and args.bench == "faults":
+            from kvtier.bench.faults import run_fault_bench
+
+            return run_fault_bench(args)
+        elif args.command == "bench" and args.bench == "fuzz":
+            from kvtier.bench.fuzz import run_fuzz_bench
+
+            return run_fuzz_bench(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - a CLI reports errors as one clear line

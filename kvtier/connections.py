@@ -7,10 +7,17 @@
 
 All of a model's keys carry the hash tag `{model}`, so every script touches one slot and a
 cluster runs them on the node that owns it; models spread across the shards.
+
+Security: an ACL user and password go in the URL (`redis://kvtier:PASSWORD@host:6379/0`, or
+`redis://:PASSWORD@...` for `requirepass`); TLS is `rediss://`, verified against the system's
+CAs, or against `?ssl_ca_certs=/path/ca.pem` in the URL or `--redis-tls-ca` (KVTIER_REDIS_TLS_CA),
+which `configure` makes the process default (and which turns a `redis://` URL into TLS).
+Log and error lines show URLs through `redact` only.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from urllib.parse import urlsplit, urlunsplit
 
@@ -26,8 +33,29 @@ def _plain_url(url: str) -> str:
     return urlunsplit(parts._replace(scheme=_CLUSTER_SCHEMES[parts.scheme])) if parts.scheme in _CLUSTER_SCHEMES else url
 
 
+_tls_ca = ""
+
+
+def configure(*, tls_ca: str = "") -> None:
+    """Process-wide Redis settings from the command line (kvtier/cli.py): the CA bundle that
+    verifies the server's certificate; with it every Redis URL of the process is TLS."""
+    global _tls_ca
+    if tls_ca and not os.access(tls_ca, os.R_OK):
+        raise ValueError(f"--redis-tls-ca: cannot read {tls_ca!r} (no such file, or not readable)")
+    _tls_ca = tls_ca
+
+
+def _secured(url: str, options: dict) -> tuple[str, dict]:
+    if not _tls_ca or "ssl_ca_certs" in options or "ssl_ca_certs=" in urlsplit(url).query:
+        return url, options
+    parts = urlsplit(url)
+    scheme = {"redis": "rediss", "redis+cluster": "rediss+cluster"}.get(parts.scheme, parts.scheme)
+    return urlunsplit(parts._replace(scheme=scheme)), {**options, "ssl_ca_certs": _tls_ca}
+
+
 def redis_client(url: str, **options):
     """A synchronous client (redis.Redis, or redis.cluster.RedisCluster for a cluster URL)."""
+    url, options = _secured(url, options)
     if is_cluster_url(url):
         from redis.cluster import RedisCluster
 
@@ -39,6 +67,7 @@ def redis_client(url: str, **options):
 
 def redis_async_client(url: str, **options):
     """An asyncio client (redis.asyncio.Redis, or its RedisCluster for a cluster URL)."""
+    url, options = _secured(url, options)
     if is_cluster_url(url):
         from redis.asyncio.cluster import RedisCluster
 
@@ -54,5 +83,7 @@ def _cluster_options(options: dict) -> dict:
 
 
 def redact(url: str) -> str:
-    """A URL without its password, for logs and error messages."""
-    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+    """A URL without its password, for logs and error messages (`user:***@`, and a
+    `password=` in the query string)."""
+    url = re.sub(r"(//[^:/@]*:)[^/]*@", r"\1***@", str(url))  # up to the last @ (an unquoted @ in it)
+    return re.sub(r"(?i)([?&](?:password|pass|token)=)[^&#\s]*", r"\1***", url)

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvtier.connections import redis_client
+from kvtier.connections import redact, redis_client
 from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
 from kvtier.schemas.subjects import (
     DECISIONS_STREAM,
@@ -767,9 +767,9 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
                 tiers_seen, raw_meta = replies[2 + 2 * i], replies[3 + 2 * i]
                 workers.append(_worker_view(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
                                             hash_checks.get(row["worker"])))
-        return RedisView(url=url, reachable=True, models=models, requested_model=token, workers=workers)
+        return RedisView(url=redact(url), reachable=True, models=models, requested_model=token, workers=workers)
     except redis.RedisError as exc:
-        return RedisView(url=url, reachable=False, error=str(exc).strip() or _err(exc), requested_model=token)
+        return RedisView(url=redact(url), reachable=False, error=str(exc).strip() or _err(exc), requested_model=token)
     finally:
         client.close()
 
@@ -809,18 +809,32 @@ async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> N
     from kvtier.schemas.events import EventBatch, WorkerAnnounce, decode_message
     from kvtier.streams import partitions_of
 
-    async def quiet(exc: Exception) -> None:
-        return None
+    import ssl
 
+    from kvtier.nats_options import NatsOptionsError, configured, explain, redact_nats
+
+    seen: list[BaseException] = []
+
+    async def quiet(exc: Exception) -> None:
+        seen.append(exc)
+        del seen[:-8]  # the recent ones (the callback outlives the connect)
+
+    shown = redact_nats(url)
     try:
         nc = await asyncio.wait_for(
-            nats.connect(url, connect_timeout=timeout, allow_reconnect=False, max_reconnect_attempts=1,
-                         reconnect_time_wait=0.1, error_cb=quiet, name="kvtier-doctor"), timeout + 1)
+            configured().connect(url, connect_timeout=timeout, allow_reconnect=False, max_reconnect_attempts=1,
+                                 reconnect_time_wait=0.1, error_cb=quiet, name="kvtier-doctor"), timeout + 1)
+    except NatsOptionsError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure to connect is the finding
-        error = ("no server answers there (refused, or not a NATS port)" if type(exc).__name__ == "NoServersError"
-                 else _err(exc))
-        return NatsView(url=url, reachable=False, error=error)
-    view = NatsView(url=url, reachable=True)
+        if any(not isinstance(e, OSError) or isinstance(e, ssl.SSLError) for e in seen):
+            error = explain(exc, seen)  # refused credentials, an untrusted certificate
+        elif type(exc).__name__ == "NoServersError":
+            error = "no server answers there (refused, or not a NATS port)"
+        else:
+            error = _err(exc)
+        return NatsView(url=shown, reachable=False, error=error)
+    view = NatsView(url=shown, reachable=True)
     try:
         js = nc.jetstream(timeout=timeout)
         try:

@@ -181,15 +181,20 @@ class _Server:
 class NatsServer(_Server):
     name: str = "nats"
     monitor_port: int = 0
+    #: a nats-server configuration file (users, tokens, nkeys, tls {...}); the flags above win
+    config_file: str = ""
+    #: "tls" when the configuration requires TLS (only changes `url`)
+    scheme: str = "nats"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def _command(self) -> list[str]:
         self.monitor_port = free_port()
         store = os.path.join(self.workdir, "jetstream")
-        return [find_nats_server(), "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(self.port),
+        config = ["-c", self.config_file] if self.config_file else []
+        return [find_nats_server(), *config, "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(self.port),
                 "-m", str(self.monitor_port)]
 
     def _ready(self) -> bool:
@@ -205,20 +210,45 @@ class NatsServer(_Server):
 class RedisServer(_Server):
     name: str = "redis"
     appendonly: bool = False
+    #: a configuration file (e.g. ACL `user ...` lines); the flags below win
+    config_file: str = ""
+    #: TLS only (the plain port is off) with this certificate and key; clients are not asked
+    #: for certificates. Needs a server built with TLS (`binary`: one that is).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    binary: str = ""
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls_cert_file else 'redis'}://127.0.0.1:{self.port}/0"
 
     def _command(self) -> list[str]:
-        return [find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+        config = [self.config_file] if self.config_file else []
+        if self.tls_cert_file:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert_file,
+                     "--tls-key-file", self.tls_key_file, "--tls-auth-clients", "no"]
+            if self.tls_ca_file:
+                ports += ["--tls-ca-cert-file", self.tls_ca_file]
+        else:
+            ports = ["--port", str(self.port)]
+        return [self.binary or find_redis_server(), *config, "--bind", "127.0.0.1", *ports, "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no", "--dir", self.workdir,
                 "--protected-mode", "no", "--daemonize", "no"]
 
     def _ready(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls_cert_file:
+                    import ssl
+
+                    context = ssl.create_default_context(cafile=self.tls_ca_file or None)
+                    if not self.tls_ca_file:
+                        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                    s = context.wrap_socket(raw, server_hostname="127.0.0.1")
                 s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                # an ACL that requires a login answers NOAUTH: the server is up all the same
+                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import msgspec
 
-from kvtier.connections import redis_client
+from kvtier.connections import redact, redis_client
 from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
 from kvtier.schemas.state_keys import ModelKeys, page_member
@@ -437,7 +437,7 @@ class Probe:
         notes = await self._settle()
         state = self._redis_state()
         if self.redis_error:
-            return None, notes + [f"no tier state: cannot read Redis at {self.config.redis_url} ({self.redis_error})"]
+            return None, notes + [f"no tier state: cannot read Redis at {redact(self.config.redis_url)} ({self.redis_error})"]
         if "epoch" not in state:
             return None, notes + [f"no tier state for this worker in Redis ({self.keys.state(self.config.worker_id)})"]
         if state.get("stale") == "1":
@@ -505,19 +505,19 @@ class Probe:
 
     async def _connect(self) -> None:
         self.redis = redis_client(self.config.redis_url, socket_timeout=5, socket_connect_timeout=5)
-        try:
-            import nats
+        from kvtier.nats_options import NatsConnectError, connect_once, redact_nats
 
-            async def quiet(exc: Exception) -> None:  # the outcome is reported once, below
-                log.debug("NATS client error: %r", exc)
-
-            self.nc = await nats.connect(self.config.nats_url, name="kvtier-probe", max_reconnect_attempts=1,
-                                         reconnect_time_wait=0.5, connect_timeout=3, allow_reconnect=False,
-                                         error_cb=quiet)
+        try:  # with the process's NATS credentials and TLS (kvtier/nats_options.py)
+            self.nc = await connect_once(self.config.nats_url, "kvtier-probe", connect_timeout=3,
+                                         reconnect_time_wait=0.5, allow_reconnect=False)
             self.js = self.nc.jetstream()
             await self.watcher.start(self.js, self.config.model, self.config.worker_id)
+        except NatsConnectError as exc:  # its message names the URL (redacted) and the cause
+            self.watcher.note = f"no event stream: {exc}"
+            log.warning("%s", self.watcher.note)
         except Exception as exc:  # noqa: BLE001 - no stream is evidence missing, reported as such
-            self.watcher.note = f"no event stream: cannot watch NATS at {self.config.nats_url} ({exc or type(exc).__name__})"
+            self.watcher.note = (f"no event stream: cannot watch NATS at {redact_nats(self.config.nats_url)} "
+                                 f"({exc or type(exc).__name__})")
             log.warning("%s", self.watcher.note)
 
     async def run(self) -> ProbeReport:

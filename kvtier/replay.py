@@ -36,7 +36,7 @@ from typing import AsyncIterator, Iterable
 import msgspec
 import redis
 
-from kvtier.connections import redis_client
+from kvtier.connections import redact, redis_client
 from kvtier.timefmt import iso, parse_time  # noqa: F401 - re-exported for explain and events tail
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
@@ -70,13 +70,13 @@ class StreamMsg:
 
 
 async def connect(url: str):
-    import nats
+    from kvtier.nats_options import NatsConnectError, connect_once
 
-    try:
-        return await nats.connect(url, name="kvtier-replay", connect_timeout=5, max_reconnect_attempts=2,
+    try:  # with the process's NATS credentials and TLS (kvtier/nats_options.py)
+        return await connect_once(url, "kvtier-replay", connect_timeout=5, max_reconnect_attempts=2,
                                   allow_reconnect=True)
-    except Exception as exc:  # noqa: BLE001 - one clear line for any failure to connect
-        raise ReplayError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+    except NatsConnectError as exc:  # one clear line, no secret in it
+        raise ReplayError(str(exc)) from None
 
 
 async def stream_bounds(js, stream: str) -> tuple[int, int, int]:
@@ -100,6 +100,21 @@ async def message_time(js, stream: str, seq: int) -> float | None:
     except nats.js.errors.NotFoundError:
         return None
     return raw.time.timestamp() if raw.time else None
+
+
+async def _add_consumer_patiently(js, stream: str, config, attempts: int = 3):
+    """Create an ephemeral consumer, retrying API timeouts: right after a cluster node is lost
+    the stream's new leader can take a few seconds to answer. A consumer created by an attempt
+    whose reply was lost is dropped by the server after its inactive threshold."""
+    import nats.errors
+
+    for attempt in range(attempts):
+        try:
+            return await js.add_consumer(stream, config, timeout=10)
+        except nats.errors.TimeoutError:
+            if attempt == attempts - 1:
+                raise ReplayError(f"NATS did not answer creating a consumer on {stream} ({attempts} tries of 10 s)") \
+                    from None
 
 
 class StreamReader:
@@ -128,7 +143,7 @@ class StreamReader:
         elif self.start_time is not None:
             config.deliver_policy = DeliverPolicy.BY_START_TIME
             config.opt_start_time = dt.datetime.fromtimestamp(self.start_time, dt.timezone.utc)
-        info = await self.js.add_consumer(self.stream, config)
+        info = await _add_consumer_patiently(self.js, self.stream, config)
         self.name, self.initial_pending = info.name, info.num_pending
         self._pull = await PullStream(self.nc, self.stream, self.name, self.batch).start()
         return self
@@ -263,7 +278,7 @@ def _client_for_db(redis_url: str, db: int) -> redis.Redis:
         parts = parts._replace(path=f"/{db}", query=urlencode(query))
     client = redis_client(urlunsplit(parts), socket_timeout=10)
     if _db_of(client) != db:
-        raise ReplayError(f"could not address database {db} through {redis_url}")
+        raise ReplayError(f"could not address database {db} through {redact(redis_url)}")
     return client
 
 
@@ -285,7 +300,7 @@ def scratch_target(redis_url: str, into: str | None = None, into_db: int | None 
             raise ReplayError("--into-db needs SELECT, which Redis Cluster does not have (database 0 only); "
                               "use --into NAMESPACE instead")
         if into_db == _db_of(live):
-            raise ReplayError(f"--into-db {into_db} is the live database of {redis_url}: pick another one")
+            raise ReplayError(f"--into-db {into_db} is the live database of {redact(redis_url)}: pick another one")
         scratch = Scratch(_client_for_db(redis_url, into_db), _check_namespace(into or DEFAULT_ROOT), into_db)
     else:
         root = _check_namespace(into or SCRATCH_PREFIX + secrets.token_hex(4))
@@ -306,7 +321,7 @@ def drop_namespace(redis_url: str, namespace: str, into_db: int | None = None) -
         raise ReplayError(f"refusing to drop {DEFAULT_ROOT!r}: that is the live tier state")
     live = redis_client(redis_url, socket_timeout=10)
     if into_db is not None and into_db == _db_of(live):
-        raise ReplayError(f"--into-db {into_db} is the live database of {redis_url}: refusing to drop it")
+        raise ReplayError(f"--into-db {into_db} is the live database of {redact(redis_url)}: refusing to drop it")
     client = live if into_db is None else _client_for_db(redis_url, into_db)
     scratch = Scratch(client, namespace, into_db)
     return scratch, scratch.drop()

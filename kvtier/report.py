@@ -51,16 +51,12 @@ class ReportData:
 
 async def collect(nats_url: str, since: float, until: float, model: str | None = None, bins: int = 60,
                   writeback_window_s: float = 2.0) -> ReportData:
-    import nats
+    from kvtier.nats_options import NatsConnectError, connect_once
 
-    async def quiet(exc: Exception) -> None:  # the failure is reported once, below
-        pass
-
-    try:
-        nc = await nats.connect(nats_url, name="kvtier-report", connect_timeout=5, max_reconnect_attempts=2,
-                                error_cb=quiet)
-    except Exception as exc:  # noqa: BLE001 - one clear line for any failure to connect
-        raise ReportError(f"cannot reach NATS at {nats_url}: {exc or type(exc).__name__}") from None
+    try:  # with the process's NATS credentials and TLS (kvtier/nats_options.py)
+        nc = await connect_once(nats_url, "kvtier-report", connect_timeout=5, max_reconnect_attempts=2)
+    except NatsConnectError as exc:  # one clear line, no secret in it
+        raise ReportError(str(exc)) from None
     models = [model] if model else None
     analytics = TierAnalytics(writeback_window_s=writeback_window_s, lifetime_samples=LIFETIME_SAMPLES)
     feeder = MessageFeeder(analytics, models)

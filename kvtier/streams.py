@@ -34,28 +34,53 @@ log = logging.getLogger("kvtier.nats")
 DEFAULT_PARTITIONS = 8
 
 
-async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, retry_s: float = 1.0):
+def nats_servers(url: str) -> list[str]:
+    """The servers of a --nats URL: one URL, or several comma-separated (the nodes of a
+    NATS cluster, `nats://h1:4222,nats://h2:4222,nats://h3:4222`); nats-py takes the list
+    and fails over between them (and learns the cluster's other nodes from the server)."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server in {url!r}")
+    return servers
+
+
+async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, retry_s: float = 1.0,
+                       options=None):
     """Connect to NATS, waiting (with a clear warning each time) while it is unreachable:
     a service started before its broker comes up once the broker does. Returns None if
-    `stop` is set first. After the first connection nats-py reconnects by itself."""
-    import nats
+    `stop` is set first. After the first connection nats-py reconnects by itself.
+    `options` (kvtier.nats_options.NatsOptions: credentials, TLS) default to the ones the
+    command line set for this process. Refused credentials or an untrusted certificate are
+    retried too, each time with a warning that says so (never with the secret)."""
+    from kvtier.nats_options import NatsOptionsError, configured, explain, redact_nats
+
+    options = options or configured()
+    shown = redact_nats(url)
+    seen: list[BaseException] = []
 
     async def on_error(exc: Exception) -> None:
-        log.debug("NATS client error: %r", exc)
+        seen.append(exc)
+        del seen[:-8]  # the recent ones (the callback outlives the connect)
+        log.debug("NATS client error: %s", explain(exc))
 
     async def on_disconnect() -> None:
-        log.warning("disconnected from NATS at %s; reconnecting", url)
+        log.warning("disconnected from NATS at %s; reconnecting", shown)
 
     while True:
         try:
             # A bounded first attempt (nats-py would otherwise retry inside connect() forever,
             # deaf to SIGTERM); once connected, reconnect without limit.
-            nc = await nats.connect(url, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
-                                    connect_timeout=2, error_cb=on_error, disconnected_cb=on_disconnect)
+            seen.clear()
+            nc = await options.connect(nats_servers(url), name=name, max_reconnect_attempts=1,
+                                       reconnect_time_wait=0.5, connect_timeout=2, error_cb=on_error,
+                                       disconnected_cb=on_disconnect)
             nc.options["max_reconnect_attempts"] = -1
             return nc
+        except NatsOptionsError:
+            raise  # a setting that cannot work (unreadable TLS file): retrying will not help
         except Exception as exc:  # noqa: BLE001 - any failure to connect is reported and retried
-            log.warning("cannot reach NATS at %s (%s); retrying in %.0fs", url, exc or type(exc).__name__, retry_s)
+            log.warning("cannot reach NATS at %s (%s); retrying in %.0fs", shown,
+                        explain(exc, seen), retry_s)
         if stop is None:
             await asyncio.sleep(retry_s)
             continue
@@ -120,9 +145,14 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
     except nats.js.errors.NotFoundError:
         try:
             info = await js.add_stream(events)
-        except nats.js.errors.BadRequestError:
+        except nats.js.errors.APIError as exc:
+            _refuse_unplaceable(exc, settings.replicas)
             info = await js.stream_info(EVENTS_STREAM)  # another process created it first
     existing = partitions_of(info.config)
+    if (info.config.num_replicas or 1) < settings.replicas:
+        log.warning("stream %s exists with %d replica(s), fewer than the %d requested; kept as it is (raise it "
+                    "with `nats stream edit %s --replicas N`)", EVENTS_STREAM, info.config.num_replicas or 1,
+                    settings.replicas, EVENTS_STREAM)
     if settings.retention_explicit:
         await _update_retention(js, info.config, settings)
     if partitions_explicit and existing != settings.partitions:
@@ -134,6 +164,23 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
                        max_age=7 * 24 * 3600.0, storage=storage, num_replicas=settings.replicas)
     await _add_stream_if_missing(js, dlq)
     return existing
+
+
+#: JetStream's answers when a stream's replicas cannot be placed: a standalone server (10074),
+#: fewer servers in the cluster than replicas (10005 no suitable peers, 10023 insufficient resources).
+_PLACEMENT_ERRORS = {10074, 10005, 10023}
+
+
+def _refuse_unplaceable(exc: nats.js.errors.APIError, replicas: int) -> None:
+    """Raise a clear StreamMismatch when the server cannot hold `replicas` copies; return for
+    any other refusal (the stream may have been created by another process meanwhile)."""
+    if exc.err_code in _PLACEMENT_ERRORS or (replicas > 1 and "replica" in (exc.description or "")):
+        raise StreamMismatch(
+            f"cannot create the JetStream streams with {replicas} replicas: {exc.description} (err_code "
+            f"{exc.err_code}). --stream-replicas must not exceed the number of JetStream servers in the NATS "
+            "cluster (1 for a single server); start the cluster's nodes first or lower it") from None
+    if not isinstance(exc, nats.js.errors.BadRequestError):
+        raise exc
 
 
 async def _update_retention(js: JetStreamContext, current: StreamConfig, settings: StreamSettings) -> None:
@@ -156,8 +203,8 @@ async def _add_stream_if_missing(js: JetStreamContext, config: StreamConfig) -> 
     except nats.js.errors.NotFoundError:
         try:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            pass  # another process created it first
+        except nats.js.errors.APIError as exc:
+            _refuse_unplaceable(exc, config.num_replicas or 1)  # else another process created it first
 
 
 async def ensure_decisions_stream(js: JetStreamContext, max_age_s: float = 7 * 24 * 3600.0,

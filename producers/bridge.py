@@ -25,7 +25,7 @@ import nats.js.errors
 import zmq.asyncio
 from prometheus_client import Counter, Gauge
 
-from kvtier.producers.convert import convert_batch
+from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp, split_to_fit
 from kvtier.producers.sglang_source import (
     RawBatch,
     ReplayClient,
@@ -40,6 +40,7 @@ from kvtier.schemas.events import (
     EventBatch,
     TierEvent,
     WorkerAnnounce,
+    decode_control,
     decode_message,
     encode_message,
 )
@@ -312,7 +313,7 @@ class RankBridge:
             for bad, reason in converted.rejected:
                 await self._dead_letter(bad, reason, raw.seq)
             events.extend(converted.events)
-            first_ts = decoded.ts if first_ts is None else first_ts
+            first_ts = source_timestamp(decoded.ts, time.time()) if first_ts is None else first_ts
         last_raw, last_decoded = ready[-1]
         self.source_seq_last = last_raw.seq
         self.source_ts_last = last_decoded.ts if not isinstance(last_decoded, str) else 0.0
@@ -321,7 +322,7 @@ class RankBridge:
         await self._publish_events(events, first_ts, first_seq)
 
     async def _publish_events(self, events: list[TierEvent], source_ts: float | None, first_seq: int = -1) -> None:
-        chunks = _chunk_by_pages(events, self.cfg.max_pages_per_message) or [[]]
+        chunks = _chunk_by_pages(events, self.cfg.max_pages_per_message, self._max_events_bytes()) or [[]]
         for chunk in chunks:
             self.seq += 1
             batch = EventBatch(
@@ -345,7 +346,8 @@ class RankBridge:
                 await self.js.publish(subject, data, headers=headers, timeout=5.0)
                 return
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.js.errors.APIError, nats.errors.ConnectionReconnectingError) as exc:
+                    nats.js.errors.APIError, nats.errors.ConnectionReconnectingError,
+                    nats.js.errors.NoStreamResponseError) as exc:  # 503: no stream leader (NATS cluster election)
                 if self.stopping.is_set() and isinstance(exc, nats.errors.ConnectionClosedError):
                     raise
                 PUBLISH_RETRIES.labels(self._label).inc()
@@ -353,13 +355,22 @@ class RankBridge:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
+    def _max_events_bytes(self) -> int:
+        """What a message's events may take: the server's max_payload less room for the rest
+        of the batch (names of up to 256 characters) and the headers."""
+        return max(64 << 10, _max_payload(self.nc) - _ENVELOPE_BYTES)
+
     async def _dead_letter(self, data: bytes, reason: str, engine_seq: int | None = None) -> None:
         DEAD_LETTERS.labels(self._label).inc()
-        log.warning("%s: dead-lettered engine input (seq %s): %s", self._label, engine_seq, reason)
+        log.warning("%s: dead-lettered engine input (seq %s): %s", self._label, engine_seq, reason[:1024])
         headers = {"Kvtier-Reason": reason[:1024], "Kvtier-Stage": "bridge", "Kvtier-Worker": self.cfg.worker_id,
                    "Kvtier-Model": self.cfg.model}
         if engine_seq is not None:
             headers["Kvtier-Engine-Seq"] = str(engine_seq)
+        limit = _max_payload(self.nc) - _ENVELOPE_BYTES
+        if len(data) > limit:  # kept as far as the server takes it; the header says how long it was
+            headers["Kvtier-Truncated-From"] = str(len(data))
+            data = data[:limit]
         await self._publish(dlq_subject("bridge", self.cfg.model, self.cfg.worker_id), data, headers)
 
     # --- lease, metadata, control ---------------------------------------------------------
@@ -379,17 +390,17 @@ class RankBridge:
 
     async def _on_control(self, msg) -> None:
         try:
-            request = msgspec.json.decode(msg.data)
-        except msgspec.DecodeError:
+            request = decode_control(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             request = None
-        if not isinstance(request, dict) or request.get("request") != "resync":
+        if request is None or request.request != "resync":
             log.warning("%s: ignoring unknown control message %r", self._label, msg.data[:200])
             return
         now = time.monotonic()
         if now - self._last_resync < self.cfg.resync_min_interval_s:
             return
         self._last_resync = now
-        log.warning("%s: resync requested (%s)", self._label, request.get("reason", ""))
+        log.warning("%s: resync requested (%s)", self._label, request.reason[:200])
         try:
             async with self.lock:
                 await self._rebuild_epoch(EpochReason.RESYNC_REQUESTED,
@@ -418,17 +429,32 @@ def _after_matching(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBa
     return None
 
 
-def _chunk_by_pages(events: list[TierEvent], max_pages: int) -> list[list[TierEvent]]:
+#: Room in a message for everything but its events: the batch's other fields (names of up
+#: to 256 characters, 4 bytes each at worst) and the headers (Nats-Msg-Id).
+_ENVELOPE_BYTES = 8 << 10
+
+
+def _max_payload(nc) -> int:
+    return getattr(nc, "max_payload", 0) or (1 << 20)
+
+
+def _chunk_by_pages(events: list[TierEvent], max_pages: int, max_bytes: int = 1 << 62) -> list[list[TierEvent]]:
+    """Events in messages of at most `max_pages` pages and `max_bytes` bytes of events; an
+    event larger than either alone is split first (convert.split_to_fit), so no message is
+    ever refused by the server for its size."""
     chunks: list[list[TierEvent]] = []
     current: list[TierEvent] = []
-    pages = 0
+    pages = used = 0
     for event in events:
-        size = len(getattr(event, "hashes", ())) or 1
-        if current and pages + size > max_pages:
-            chunks.append(current)
-            current, pages = [], 0
-        current.append(event)
-        pages += size
+        for piece in split_to_fit(event, max_pages, max_bytes):
+            size = len(getattr(piece, "hashes", ())) or 1
+            cost = encoded_size_bound(piece)
+            if current and (pages + size > max_pages or used + cost > max_bytes):
+                chunks.append(current)
+                current, pages, used = [], 0, 0
+            current.append(piece)
+            pages += size
+            used += cost
     if current:
         chunks.append(current)
     return chunks

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier.schemas.hashes import PageDigest
-from kvtier.schemas.sglang_server import KvEventsConfig, KvEventsDescriptor, L3CacheLayout, ServerInfo
+from kvtier.schemas.sglang_server import (
+    KvEventsDescriptor,
+    L3CacheLayout,
+    ServerInfo,
+    decode_kv_events_config,
+    decode_l3_cache_layout,
+    decode_server_info,
+)
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
 log = logging.getLogger("kvtier.bridge.discovery")
@@ -178,7 +185,7 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
                      "--kv-events-config to recover them instead")
     if info.kv_events_config:
         try:
-            configured = msgspec.json.decode(info.kv_events_config, type=KvEventsConfig)
+            configured = decode_kv_events_config(info.kv_events_config)
         except (msgspec.DecodeError, msgspec.ValidationError):
             configured = None
         if configured is not None and configured.format != "default":
@@ -206,7 +213,7 @@ def _kv_events(url: str, info: ServerInfo, notes: list[str]) -> KvEventsDescript
                              f"kv_events block{configured}. Fix: {_KV_EVENTS_HINT}")
     # A server that predates the descriptor: read its --kv-events-config instead.
     try:
-        config = msgspec.json.decode(info.kv_events_config, type=KvEventsConfig)
+        config = decode_kv_events_config(info.kv_events_config)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DiscoveryError(f"SGLang at {url} has an unreadable kv_events_config {info.kv_events_config!r}: {exc}")
     host, port = _tcp_host_port(config.endpoint)
@@ -328,15 +335,15 @@ def fetch(sglang_url: str, timeout_s: float = 5.0,
         body = _get(url, "/get_server_info", timeout_s, api_key)
     if body is None:
         raise DiscoveryError(f"{url} has neither /server_info nor /get_server_info: is it an SGLang server?")
-    info = _decode(url, "/server_info", body, ServerInfo)
+    info = _decode(url, "/server_info", body, decode_server_info)
     body = _get(url, "/get_hicache_l3_cache_layout", timeout_s, api_key)
-    layout = None if body is None else _decode(url, "/get_hicache_l3_cache_layout", body, L3CacheLayout)
+    layout = None if body is None else _decode(url, "/get_hicache_l3_cache_layout", body, decode_l3_cache_layout)
     return info, layout
 
 
-def _decode(url: str, path: str, body: bytes, kind):
+def _decode(url: str, path: str, body: bytes, decode):
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DiscoveryError(f"SGLang's {url}{path} reply is not what kvtier reads: {exc}") from None
 

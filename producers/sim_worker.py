@@ -13,6 +13,8 @@ consumes them unchanged. Requests come over HTTP:
         client that sends SGLang's plain body (e.g. `kvtier probe hicache`) sees device->host
         copies land as on a real server.
   POST /advance            {"now": <sim seconds>}  completes due device->host copies
+  POST /flush_cache        empties every rank's device and host pools, as SGLang's /flush_cache
+                           does (each rank publishes AllBlocksCleared); /w/<rank>/flush_cache: one rank
   GET  /w/<rank>/tiers     the rank's own view: [[page hash, [tiers...]], ...]
   GET  /batch_query_keys?keys=k1,k2   the ranks' shared L3 pool, answered in the Mooncake
         master's format (a stand-in where no real master runs; keys in SGLang's layout)
@@ -196,6 +198,19 @@ class SimWorkers:
                 self._flush(rank)
         return web.json_response({"now": self._now})
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ranks = range(len(self.sims))
+        if "rank" in request.match_info:
+            rank = int(request.match_info["rank"])
+            if not 0 <= rank < len(self.sims):
+                raise web.HTTPNotFound(reason=f"no rank {rank}; this sim-worker has {len(self.sims)}")
+            ranks = [rank]
+        async with self._lock:
+            for rank in ranks:
+                self.sims[rank].reset()
+                self._flush(rank)
+        return web.json_response({"flushed": list(ranks)})
+
     async def tiers(self, request: web.Request) -> web.Response:
         rank = int(request.match_info["rank"])
         view = self.sims[rank].tiers()
@@ -222,6 +237,8 @@ class SimWorkers:
         app.router.add_post("/w/{rank}/generate", self.generate)
         app.router.add_get("/w/{rank}/tiers", self.tiers)
         app.router.add_post("/advance", self.advance)
+        app.router.add_post("/flush_cache", self.flush_cache)
+        app.router.add_post("/w/{rank}/flush_cache", self.flush_cache)
         app.router.add_get("/batch_query_keys", self.batch_query_keys)
         app.router.add_get("/healthz", self.healthz)
         return app

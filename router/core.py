@@ -8,7 +8,10 @@ selection saw, for the answer and the decision log.
 
 Degradation, never a stop: without the shared pool the decision scores without it; without
 Redis it routes among the last known workers by this replica's own in-flight count, round
-robin on ties, and says so (`degraded`).
+robin on ties, and says so (`degraded`). While a model's state is being rebuilt after the
+store lost it (incarnation marker missing or rebuilding), no overlap is trusted: the live
+workers (or, with no lease left, the last known ones) are chosen on load alone
+(`state-store-rebuilding`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ log = logging.getLogger("kvtier.router")
 DEGRADED_STATE_STORE = "state-store-unavailable"
 DEGRADED_SHARED_POOL = "shared-pool-unavailable"
 DEGRADED_ONLY_STALE = "only-stale-workers"
+DEGRADED_REBUILDING = "state-store-rebuilding"
 #: How often housekeeping re-reads the processors' hash checks (seconds).
 HASH_CHECK_REFRESH_S = 5.0
 
@@ -210,7 +214,16 @@ class Router:
         degraded: list[str] = []
         if shared_error:
             degraded.append(DEGRADED_SHARED_POOL)
-        if not fresh:
+        if getattr(views, "rebuilding", False):
+            # The store lost this model's state and it is being rebuilt: what it holds is not
+            # what the workers hold. Route on load alone, among every live worker.
+            if not views:
+                return self._route_without_state(request, request_id, weights, u, started, DEGRADED_REBUILDING)
+            fresh = [WorkerView(v.worker_id, v.status, v.page_size, TierOverlap(), v.prefill_load, v.decode_load)
+                     for v in views]
+            shared = None
+            degraded.append(DEGRADED_REBUILDING)
+        elif not fresh:
             stale = [v for v in views if v.status is WorkerStatus.STALE]
             if not stale:
                 raise NoWorkers(f"no live worker for model {model!r} (no lease renewed recently)")
@@ -322,12 +335,13 @@ class Router:
             m.shared_cache_beyond_blocks.observe(o.shared_beyond)
 
     def _route_without_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
-                             u: float, started: float) -> Outcome:
+                             u: float, started: float, reason: str = DEGRADED_STATE_STORE) -> Outcome:
         directory = self.directory.cached(request.model)
         if directory is None or not directory.workers:
             self.metrics.fallbacks.labels("no_known_workers").inc()
-            raise NoWorkers(f"state store unavailable ({self.last_state_error}) and no worker of model "
-                            f"{request.model!r} known to this router yet")
+            why = ("state store is rebuilding this model's state" if reason == DEGRADED_REBUILDING
+                   else f"state store unavailable ({self.last_state_error})")
+            raise NoWorkers(f"{why} and no worker of model {request.model!r} known to this router yet")
         workers = sorted(directory.workers)
         worker_id = self._fallback.choose(workers)
         self._fallback.in_flight[request_id] = worker_id
@@ -337,15 +351,15 @@ class Router:
                                      page_size=directory.workers[w].page_size) for w in workers]
         response = RouteResponse(
             request_id=request_id, worker_id=worker_id, logit=0.0, overlap=TierOverlap(), candidates=candidates,
-            request_pages=n_pages, page_size=page_size, degraded=[DEGRADED_STATE_STORE], booked=False,
+            request_pages=n_pages, page_size=page_size, degraded=[reason], booked=False,
             worker_url=directory.workers[worker_id].http_endpoint)
         latency = time.perf_counter() - started
-        self.metrics.fallbacks.labels("state_store_unavailable").inc()
+        self.metrics.fallbacks.labels(reason.replace("-", "_")).inc()
         self._observe(response, None, n_pages, latency, "fallback")
         decision = RouteDecision(
             request_id=request_id, model=request.model, router_id=self.router_id, ts=time.time(), weights=weights,
             random_draw=u, page_hashes={}, request_pages=n_pages, chosen=worker_id, candidates=candidates,
-            degraded=[DEGRADED_STATE_STORE], latency_ms=latency * 1000)
+            degraded=[reason], latency_ms=latency * 1000)
         if self.decision_log is not None:
             self.decision_log.submit(decision)
         return Outcome(response, decision)

@@ -1,10 +1,12 @@
 -- Every live worker's tiered overlap with a request, and its booked load, in one call.
 -- KEYS: 1 leases zset, 2 prefill load hash, 3 decode load hash, 4 stale-workers set,
---       5 page-size hash (all in the model's slot; each worker's pages set is derived from
---       ARGV[1], which carries the same hash tag)
+--       5 page-size hash, 6 incarnation marker (all in the model's slot; each worker's pages
+--       set is derived from ARGV[1], which carries the same hash tag)
 -- ARGV: 1 key base "kvt:{m}", 2 now (unix ms), 3 first chunk size,
 --       4.. pairs: page size, page-key blob (16 hex digits per page, in request order)
--- Returns a flat list, 8 fields per live worker (lease expiry > now):
+-- Returns a flat list: first 1 if the model's state is being rebuilt (marker missing, not
+-- ready, or rebuilding: nothing is walked, every overlap is 0), else 0; then 8 fields per
+-- live worker (lease expiry > now):
 --   worker, status (0 candidate | 1 stale | 2 no pages given at its page size),
 --   page size, device, host, disk, queued prefill pages, active decode pages
 -- The walk is DESIGN.md's: the device prefix, then on host while the page is on host, then
@@ -59,13 +61,15 @@ local function walk(set, req)
   return counts
 end
 
+local marker = redis.call('HMGET', KEYS[6], 'ready', 'rebuilding')
+local rebuilding = marker[1] ~= '1' or marker[2] == '1'
+local out = {rebuilding and 1 or 0}
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '+inf')
-if #live == 0 then return {} end
+if #live == 0 then return out end
 local prefill = redis.call('HMGET', KEYS[2], unpack(live))
 local decode = redis.call('HMGET', KEYS[3], unpack(live))
 local stale = redis.call('SMISMEMBER', KEYS[4], unpack(live))
 local sizes = redis.call('HMGET', KEYS[5], unpack(live))
-local out = {}
 for w = 1, #live do
   local worker = live[w]
   local page_size = sizes[w] or '0'
@@ -75,7 +79,7 @@ for w = 1, #live do
     status = 1
   elseif not req then
     status = 2
-  elseif #req.pages > 0 then
+  elseif #req.pages > 0 and not rebuilding then
     counts = walk(base .. ':w:' .. worker .. ':pages', req)
   end
   local n = #out

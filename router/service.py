@@ -8,19 +8,23 @@
 
 Every refusal is a 4xx/5xx with {"error": "<what is wrong>"}; a decision made without some
 input says so in the `X-Kvtier-Degraded` header and the body's `degraded` list.
+With --auth-token every endpoint but /healthz (and /metrics, unless --protect-metrics) needs
+`Authorization: Bearer <token>`: 401 without it or with another one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import ClientSession, ClientTimeout, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvtier.schemas.limits import guarded
 from kvtier.schemas.routing import (
     ErrorBody,
     GenerateRequest,
@@ -38,12 +42,16 @@ _json = msgspec.json.Encoder()
 
 @dataclass
 class ServiceSettings:
-    max_request_tokens: int = 1 << 20
+    max_request_tokens: int = 1 << 18
     max_body_bytes: int = 32 << 20
     proxy: bool = False
     default_model: str = ""  # for proxied requests that name no model
     proxy_timeout_s: float = 600.0
     housekeeping_s: float = 1.0
+    #: non-empty: every endpoint but /healthz (and /metrics, unless protect_metrics) requires
+    #: `Authorization: Bearer <auth_token>`
+    auth_token: str = field(default="", repr=False)
+    protect_metrics: bool = False
 
 
 def _error(status: int, message: str, metrics=None) -> web.Response:
@@ -64,7 +72,7 @@ def _decode(body: bytes, kind):
     """Decode a request body straight into its struct; errors name the offending path."""
     if not body:
         raise Refused(400, "empty body: send a JSON object")
-    return msgspec.json.decode(body, type=kind)
+    return guarded(lambda data: msgspec.json.decode(data, type=kind), body)
 
 
 class RouterService:
@@ -76,7 +84,7 @@ class RouterService:
         self._housekeeping: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._auth, self._errors])
         app.router.add_post("/v1/route", self.route)
         app.router.add_post("/v1/release", self.release)
         app.router.add_get("/healthz", self.healthz)
@@ -100,6 +108,30 @@ class RouterService:
         while True:
             await asyncio.sleep(self.settings.housekeeping_s)
             await self.router.housekeeping()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """Bearer-token check before anything else (the body is not even read): every path but
+        the open ones needs it when the router has a token. Compared in constant time; the
+        answer never repeats what was sent."""
+        token = self.settings.auth_token
+        open_path = request.path == "/healthz" or (request.path == "/metrics" and not self.settings.protect_metrics)
+        if not token or open_path:
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not header:
+            message, error = ("missing bearer token: this router requires 'Authorization: Bearer <token>' "
+                              "(its --auth-token)"), "invalid_request"
+        elif scheme.lower() != "bearer" or not given.strip():
+            message, error = "the Authorization header must be 'Bearer <token>'", "invalid_request"
+        elif hmac.compare_digest(given.strip().encode(), token.encode()):
+            return await handler(request)
+        else:
+            message, error = "invalid bearer token", "invalid_token"
+        response = _error(401, message, self.metrics)
+        response.headers["WWW-Authenticate"] = f'Bearer realm="kvtier-router", error="{error}"'
+        return response
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from kvtier.schemas.mooncake import BatchQueryReply
+from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.worker import MooncakeLayout
 
 from .hashing import RequestPages, mooncake_object_keys
@@ -61,7 +61,6 @@ class SharedPoolClient:
         self.base = master_url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = session
-        self._decoder = msgspec.json.Decoder(BatchQueryReply)
 
     async def _ensure_session(self):
         if self._session is None:
@@ -88,8 +87,8 @@ class SharedPoolClient:
             if response.status != 200:
                 raise SharedPoolUnavailable(f"HTTP {response.status}: {body[:200]!r}")
         try:
-            reply = self._decoder.decode(body)
-        except msgspec.DecodeError as exc:
+            reply = decode_batch_query_reply(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise SharedPoolUnavailable(f"unreadable reply ({exc}): {body[:200]!r}") from None
         if not reply.success and not reply.data:
             raise SharedPoolUnavailable(f"master refused the query: {reply.error or body[:200]!r}")

@@ -17,7 +17,7 @@ from kvtier.consumers.apply import as_text
 from kvtier.schemas.health import HashCheck, decode_hash_check
 from kvtier.schemas.routing import TierOverlap
 from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys
-from kvtier.schemas.worker import WorkerMetadata
+from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
 
 from .hashing import RequestPages
 
@@ -50,6 +50,14 @@ class WorkerView:
     decode_load: int
 
 
+class Views(list):
+    """The live workers' views of one read; `rebuilding`: the model's state is being rebuilt
+    after the state store lost it (its incarnation marker is missing or not ready, or the
+    stream is still being re-applied): no overlap was read, route on load only."""
+
+    rebuilding: bool = False
+
+
 class OverlapReader:
     def __init__(self, client, root: str = DEFAULT_ROOT):
         """`client`: a redis.asyncio client. `root`: the key root to read (live state; `kvtier
@@ -58,18 +66,20 @@ class OverlapReader:
         self._root = root
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],
-                   now_ms: int | None = None) -> list[WorkerView]:
+                   now_ms: int | None = None) -> Views:
         keys = ModelKeys.for_model(model, self._root)
         args: list[str | int] = [keys.base, now_ms if now_ms is not None else int(time.time() * 1000), FIRST_CHUNK]
         for size, pages in pages_by_size.items():
             args += (size, pages.keys_blob)
         flat = await self._script(keys=[keys.leases, keys.prefill_load, keys.decode_load, keys.stale_workers,
-                                        keys.page_sizes], args=args)
+                                        keys.page_sizes, keys.incarnation], args=args)
         status_of = _STATUS_OF
-        return [WorkerView(worker.decode() if isinstance(worker, bytes) else worker, status_of[status], size,
+        views = Views(WorkerView(worker.decode() if isinstance(worker, bytes) else worker, status_of[status], size,
                            TierOverlap(device=device, host=host, disk=disk), prefill, decode)
                 for worker, status, size, device, host, disk, prefill, decode
-                in (flat[i:i + 8] for i in range(0, len(flat), 8))]
+                in (flat[i:i + 8] for i in range(1, len(flat), 8)))
+        views.rebuilding = bool(flat[0])
+        return views
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class WorkerDirectory:
         self._client = client
         self._max_age_s = max_age_s
         self._models: dict[str, ModelDirectory] = {}
+        self._last_known: dict[str, ModelDirectory] = {}  # the last directory that had workers
 
     async def known_models(self) -> set[str]:
         return {as_text(m) for m in await self._client.smembers(MODELS_KEY)}
@@ -107,16 +118,20 @@ class WorkerDirectory:
                 if raw is None:
                     continue
                 try:
-                    workers[worker_id] = msgspec.json.decode(raw, type=WorkerMetadata)
-                except msgspec.ValidationError as exc:
+                    workers[worker_id] = decode_worker_metadata(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.warning("worker %s/%s has unreadable metadata (%s); hashing it at the "
                                 "other workers' page size", model, worker_id, exc)
         directory = ModelDirectory(workers, time.monotonic())
         self._models[model] = directory
+        if workers:
+            self._last_known[model] = directory
         return directory
 
     def cached(self, model: str) -> ModelDirectory | None:
-        return self._models.get(model)
+        """The last directory read that had workers (for routing without the state store,
+        which may be down or may have lost its leases), else the last one read."""
+        return self._last_known.get(model) or self._models.get(model)
 
 
 async def read_hash_mismatches(client) -> list[tuple[str, HashCheck]]:

@@ -16,16 +16,19 @@ from typing import Annotated, Union
 import msgspec
 
 from .hashes import WireBlockHash
+from .limits import MAX_SAFE_INT, MAX_TIMESTAMP_S, Name, guarded
 from .tiers import Tier
 from .worker import WorkerMetadata
 
 SCHEMA_VERSION = 1
 
-Seq = Annotated[int, msgspec.Meta(ge=1)]
-Epoch = Annotated[int, msgspec.Meta(ge=1)]
+#: Both at most 2**53 - 1: the apply script compares them as Lua numbers (schemas/limits.py).
+Seq = Annotated[int, msgspec.Meta(ge=1, le=MAX_SAFE_INT)]
+Epoch = Annotated[int, msgspec.Meta(ge=1, le=MAX_SAFE_INT)]
 PageSize = Annotated[int, msgspec.Meta(gt=0)]
-Timestamp = Annotated[float, msgspec.Meta(ge=0)]
-# NaN is refused because a comparison with it is always false (ge=0 rejects NaN too).
+Timestamp = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_S)]
+# NaN is refused because a comparison with it is always false (ge=0 rejects NaN too); the
+# upper bound refuses infinity.
 
 
 class EpochReason(str, enum.Enum):
@@ -47,8 +50,10 @@ def pack_token_ids(token_ids: list[int]) -> msgspec.Raw:
 
 
 def token_ids_of(event: "PagesStored") -> list[int]:
-    """Decode a stored event's token ids (uint32 each, as SGLang hashes them)."""
-    return _tokens_decoder.decode(event.token_ids)
+    """Decode a stored event's token ids (uint32 each, as SGLang hashes them); raises
+    msgspec.DecodeError/ValidationError when they are not that (they are not checked when the
+    message is decoded)."""
+    return guarded(_tokens_decoder.decode, event.token_ids)
 
 
 class PagesStored(msgspec.Struct, tag="stored", array_like=True):
@@ -80,8 +85,8 @@ TierEvent = Union[PagesStored, PagesRemoved, AllCleared]
 
 class EventBatch(msgspec.Struct, tag_field="kind", tag="batch", kw_only=True):
     v: int = SCHEMA_VERSION
-    worker_id: str
-    model: str
+    worker_id: Name
+    model: Name
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     epoch: Epoch
     seq: Seq
@@ -107,8 +112,8 @@ class EventBatch(msgspec.Struct, tag_field="kind", tag="batch", kw_only=True):
 class BridgeCursor(msgspec.Struct, kw_only=True):
     """Where a bridge stands: enough for a restarted bridge to prove it can continue."""
 
-    epoch: int
-    seq: int
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
+    seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
     source_seq_last: int = -1
     source_ts_last: float = 0.0
 
@@ -138,9 +143,29 @@ def encode_message(message: StreamMessage) -> bytes:
 def decode_message(data: bytes) -> StreamMessage:
     """Decode a stream message; raises msgspec.DecodeError/ValidationError or
     UnsupportedVersion, each with a message that says what is wrong and where."""
-    message = _decoder.decode(data)
+    message = guarded(_decoder.decode, data)
     if message.v > SCHEMA_VERSION:
         raise UnsupportedVersion(
             f"message schema v{message.v} is newer than this kvtier (v{SCHEMA_VERSION}); upgrade kvtier"
         )
     return message
+
+
+class ControlRequest(msgspec.Struct, kw_only=True):
+    """JSON on `kvtier.control.<model>.<worker>`, from a processor to that worker's bridge.
+    The one request is "resync" (begin a new epoch); a bridge ignores others, with a warning."""
+
+    request: str
+    reason: str = ""
+
+
+_control_decoder = msgspec.json.Decoder(ControlRequest)
+
+
+def encode_control(request: ControlRequest) -> bytes:
+    return msgspec.json.encode(request)
+
+
+def decode_control(data: bytes) -> ControlRequest:
+    """Raises msgspec.DecodeError/ValidationError."""
+    return guarded(_control_decoder.decode, data)

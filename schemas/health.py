@@ -13,6 +13,8 @@ import enum
 
 import msgspec
 
+from .limits import guarded
+
 
 class HashMismatchKind(str, enum.Enum):
     #: The tokens hash to other values under SGLang's sha256 page chain: an engine with another
@@ -56,4 +58,5 @@ def encode_hash_check(check: HashCheck) -> bytes:
 
 
 def decode_hash_check(data: bytes | str) -> HashCheck:
-    return _decoder.decode(data)
+    """Raises msgspec.DecodeError/ValidationError."""
+    return guarded(_decoder.decode, data)

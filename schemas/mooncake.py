@@ -8,6 +8,8 @@ from typing import Optional
 
 import msgspec
 
+from .limits import guarded
+
 
 class KeyStatus(msgspec.Struct, frozen=True):
     ok: bool = False
@@ -18,3 +20,11 @@ class BatchQueryReply(msgspec.Struct, frozen=True):
     success: bool = False
     data: Optional[dict[str, KeyStatus]] = None
     error: Optional[str] = None
+
+
+_decoder = msgspec.json.Decoder(BatchQueryReply)
+
+
+def decode_batch_query_reply(body: bytes) -> BatchQueryReply:
+    """Raises msgspec.DecodeError/ValidationError."""
+    return guarded(_decoder.decode, body)

@@ -4,15 +4,24 @@ A ZMQ message is three frames: topic, seq (8 bytes big-endian), payload. The pay
 msgpack `[ts, [event, ...], attn_dp_rank]`. Events are maps with a "type" key since 0.5.20
 and tagged arrays `["BlockStored", ...]` up to 0.5.19; both decode here. Unknown extra
 fields are ignored so newer engines keep working.
+
+Limits (schemas/README.md): a batch holds at most `MAX_EVENTS_PER_BATCH` events, an event at
+most `MAX_PAGES_PER_EVENT` page hashes and `MAX_TOKENS_PER_EVENT` token ids, a LoRA name at most
+`MAX_LORA_NAME_CHARS` characters. A longer array is refused from its msgpack header, before
+its elements are read: a batch over a limit is malformed, an event over one is rejected
+(dead-lettered) on its own. The bounds are far above what an engine emits (an event is one
+radix-tree insert: a 4M-token sequence at most) and bound what one payload can cost the
+bridge (~150 MB of Python ints at worst).
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 from .hashes import WireBlockHash
+from .limits import guarded
 
 SEQ_BYTES = 8
 #: End-of-replay marker: seq -1 as 8-byte signed big-endian.
@@ -24,13 +33,20 @@ class _MapEvent(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
     pass
 
 
+MAX_EVENTS_PER_BATCH = 1 << 16
+MAX_PAGES_PER_EVENT = 1 << 20
+MAX_TOKENS_PER_EVENT = 1 << 22
+#: A LoRA adapter name travels on (as the stored pages' namespace "lora:<name>").
+MAX_LORA_NAME_CHARS = 1024
+
 #: A page's tokens: ints, or [a, b] pairs when the radix keys are bigrams (EAGLE speculative
 #: decoding, whose pages SGLang publishes as token pairs).
-TokenIds = list[Union[int, list[int]]]
+TokenIds = Annotated[list[Union[int, list[int]]], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+BlockHashes = Annotated[list[WireBlockHash], msgspec.Meta(max_length=MAX_PAGES_PER_EVENT)]
 
 
 class BlockStored(_MapEvent, tag="BlockStored"):
-    block_hashes: list[WireBlockHash]
+    block_hashes: BlockHashes
     parent_block_hash: Union[WireBlockHash, None]
     token_ids: TokenIds
     block_size: int
@@ -40,11 +56,11 @@ class BlockStored(_MapEvent, tag="BlockStored"):
     #: When either is set, SGLang namespaces the published hashes (sha256 of a seed and the
     #: plain hash), so they are opaque ids a router cannot compute from tokens alone.
     cache_salt: Union[str, None] = None
-    lora_name: Union[str, None] = None
+    lora_name: Union[Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)], None] = None
 
 
 class BlockRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[WireBlockHash]
+    block_hashes: BlockHashes
     medium: Union[str, None] = None
 
 
@@ -63,7 +79,7 @@ class _ArrayEvent(msgspec.Struct, tag_field="type", array_like=True):
 
 
 class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[WireBlockHash]
+    block_hashes: BlockHashes
     parent_block_hash: Union[WireBlockHash, None]
     token_ids: TokenIds
     block_size: int
@@ -72,7 +88,7 @@ class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
 
 
 class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[WireBlockHash]
+    block_hashes: BlockHashes
     medium: Union[str, None] = None
 
 
@@ -95,7 +111,7 @@ def _relayout(event, table):
 
 class SglangBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[msgspec.Raw]
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     attn_dp_rank: Union[int, None] = None
 
 
@@ -120,15 +136,15 @@ _MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 def decode_event(raw: bytes) -> SglangEvent:
     """Decode one event in either encoding; raises msgspec.DecodeError/ValidationError."""
     if raw[:1] and raw[0] in _MAP_FIRST_BYTES:
-        return _map_decoder.decode(raw)
-    return _relayout(_array_decoder.decode(raw), _AS_MAP)
+        return guarded(_map_decoder.decode, raw)
+    return _relayout(guarded(_array_decoder.decode, raw), _AS_MAP)
 
 
 def decode_payload(payload: bytes) -> DecodedBatch:
     """Decode an SGLang payload. A batch that is not `[ts, [..], rank]` raises MalformedBatch;
     a single bad event inside a good batch is returned in `rejected` (the rest still apply)."""
     try:
-        batch = _batch_decoder.decode(payload)
+        batch = guarded(_batch_decoder.decode, payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedBatch(f"not an SGLang event batch: {exc}") from None
     events: list[SglangEvent] = []

@@ -15,9 +15,16 @@ ignored, so newer SGLang versions keep decoding. Shapes as of SGLang 0.5.23:
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
+
+from .limits import guarded
+
+#: Parallelism sizes are bounded (a bridge opens a socket per DP rank, a router checks
+#: 2 x TP x PP objects per page): at most 1024, as in worker.py.
+Size = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class KvEventsDescriptor(msgspec.Struct, kw_only=True):
@@ -28,15 +35,15 @@ class KvEventsDescriptor(msgspec.Struct, kw_only=True):
     #: URL's host. IPv6 hosts come bracketed.
     endpoint_host: str
     #: DP rank r publishes on endpoint_port_base + r.
-    endpoint_port_base: int
+    endpoint_port_base: Port
     topic: str = ""
     #: Page size the events' block hashes are computed at (page_size x DCP size).
     block_size: int
     #: Number of publishers (DP ranks), one per port.
-    dp_size: int = 1
+    dp_size: Annotated[int, msgspec.Meta(le=1024)] = 1
     #: ROUTER replay socket of rank r: replay_endpoint_port_base + r (same host rule). Absent
     #: when the worker has no tcp replay endpoint, and in versions before it was advertised.
-    replay_endpoint_port_base: Union[int, None] = None
+    replay_endpoint_port_base: Union[Port, None] = None
 
 
 class KvEventsConfig(msgspec.Struct, kw_only=True):
@@ -57,10 +64,10 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     #: UNSET: the server predates the descriptor; None: KV events are not published.
     kv_events: Union[KvEventsDescriptor, None, msgspec.UnsetType] = msgspec.UNSET
     kv_events_config: Union[str, None] = None
-    tp_size: int = 1
-    pp_size: int = 1
-    dp_size: int = 1
-    dcp_size: int = 1
+    tp_size: Size = 1
+    pp_size: Size = 1
+    dp_size: Size = 1
+    dcp_size: Annotated[int, msgspec.Meta(le=1024)] = 1
     page_size: Union[int, None] = None
     enable_hierarchical_cache: bool = False
     hicache_storage_backend: Union[str, None] = None
@@ -98,3 +105,21 @@ class L3CacheLayout(msgspec.Struct, kw_only=True):
     hicache_object_layout: L3ObjectLayout = msgspec.field(default_factory=L3ObjectLayout)
     #: Why the layout is not usable (enabled false).
     reason: Union[str, None] = None
+
+
+_server_info = msgspec.json.Decoder(ServerInfo)
+_l3_layout = msgspec.json.Decoder(L3CacheLayout)
+_kv_events_config = msgspec.json.Decoder(KvEventsConfig)
+
+
+def decode_server_info(body: bytes | str) -> ServerInfo:
+    """`GET /server_info`; raises msgspec.DecodeError/ValidationError (as do the two below)."""
+    return guarded(_server_info.decode, body)
+
+
+def decode_l3_cache_layout(body: bytes | str) -> L3CacheLayout:
+    return guarded(_l3_layout.decode, body)
+
+
+def decode_kv_events_config(text: bytes | str) -> KvEventsConfig:
+    return guarded(_kv_events_config.decode, text)

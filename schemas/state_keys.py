@@ -9,7 +9,8 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
                                   "2" host, "4" disk, "8" external); a page on two tiers is
                                   two members
   kvt:{m}:w:<worker>:state  hash  epoch, seq, stale, n<bit> page count per tier,
-                                  tiers_seen (OR of every tier bit ever stored), ...
+                                  tiers_seen (OR of every tier bit ever stored), epoch_floor
+                                  (while rebuilding after a loss: older epochs are skipped), ...
   kvt:{m}:w:<worker>:meta   str   WorkerMetadata as JSON
   kvt:{m}:leases            zset  worker -> lease expiry (unix ms)
   kvt:{m}:workers           set   every worker with state
@@ -17,6 +18,14 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
   kvt:{m}:page_size         hash  worker -> page size (routers hash requests at it)
   kvt:{m}:hash_check        hash  worker -> HashCheck JSON (schemas/health.py): do the worker's
                                   published page hashes match SGLang's chain over its tokens
+  kvt:{m}:incarnation       hash  the state's incarnation marker: id (random), created_ms, ready
+                                  ("1": batches may be applied), rebuilding ("1": workers are
+                                  still being rebuilt from the stream), reason, scan_by/scan_ms.
+                                  Missing = the state store lost this model's state (a restart
+                                  without persistence, FLUSHALL, failover to an empty replica):
+                                  apply.lua refuses batches, routers route on load only
+  kvt:{m}:rebuild           hash  worker -> "epoch:seq" each worker must reach before the model
+                                  counts as rebuilt (written by the processor that rebuilds)
   kvt:models                set   model tokens (no tag: read once, outside any script)
 
 Load booked by routers (written only by router/*.lua, atomically with each selection):
@@ -94,6 +103,14 @@ class ModelKeys:
     @property
     def hash_check(self) -> str:
         return f"{self.base}:hash_check"
+
+    @property
+    def incarnation(self) -> str:
+        return f"{self.base}:incarnation"
+
+    @property
+    def rebuild(self) -> str:
+        return f"{self.base}:rebuild"
 
     def pages(self, worker_id: str) -> str:
         return f"{self.base}:w:{worker_id}:pages"

@@ -113,6 +113,15 @@ def worker_announced(client: redis.Redis, model: str, worker: str) -> bool:
     return client.zscore(ModelKeys.for_model(model).leases, worker) is not None
 
 
+def model_ready(client: redis.Redis, model: str) -> bool:
+    """The model's incarnation marker says batches are applied (a processor has set it up, or
+    rebuilt it from the stream): until then a new model's batches wait (consumers/README.md)."""
+    from kvtier.schemas.state_keys import ModelKeys
+
+    marker = client.hgetall(ModelKeys.for_model(model).incarnation)
+    return marker.get(b"ready") == b"1" and marker.get(b"rebuilding") != b"1"
+
+
 def kvtier_batch(model: str, worker: str, epoch: int, seq: int, events: list[SglangEvent], reason=None):
     """Wrap engine events as the bridge would (for tests that play the bridge themselves)."""
     from kvtier.producers.convert import convert_batch
@@ -184,9 +193,10 @@ class RunningPipeline:
         self.bridge = self.start_bridge()
         if wait_announced:
             try:
-                wait_until(lambda: worker_announced(self.client, model, worker), timeout=30,
-                           what=lambda: f"worker announced\nprocessor: {self.processor.output()[-1500:]}\n"
-                                        f"bridge: {self.bridge.output()[-1500:]}")
+                wait_until(lambda: worker_announced(self.client, model, worker) and model_ready(self.client, model),
+                           timeout=30,
+                           what=lambda: f"worker announced, model ready\nprocessor: {self.processor.output()[-1500:]}"
+                                        f"\nbridge: {self.bridge.output()[-1500:]}")
             except BaseException:
                 self.__exit__(None, None, None)  # no `with` block will run: stop what we started
                 raise

@@ -1,0 +1,1204 @@
+"""`kvtier bench soak`: does memory track live pages, and come back down?
+
+The whole stack as processes on embedded loopback servers (nats-server with JetStream, a
+Redis-protocol server): `--sim-workers` `kvtier sim-worker` processes of `--ranks` simulated
+HiCache ranks each, one `kvtier bridge --dp-size <ranks>` per sim-worker, one `kvtier
+processor`, `--routers` `kvtier router` replicas. A looping request stream, shaped by the
+Mooncake trace sample (its prompts, lengths and prefix sharing; fresh token ids on every loop
+over the sample, so pages keep being created and evicted), is routed (`POST /v1/route`), served
+by the chosen rank (`POST /w/<r>/generate`) and released (`first_token` when served, `complete`
+after a simulated decode), at `--rate` requests/s. First `--warm-up-s` of that load, not
+measured (the processes' bounded caches fill: the processor's hash-check cache needs ~190k
+fresh pages to reach its final size), a lease left to expire and every rank flushed, so that
+Redis's one-time costs (each script's first run) are paid; Redis's baseline is taken then,
+with no page stored. Then five phases, each judged on its second half (the first is the
+transition):
+
+  steady  trace load on every worker; the pools fill and churn
+  evict   every rank flushes its pools (`POST /flush_cache`: AllBlocksCleared, as SGLang's
+          /flush_cache), then the load becomes a small fixed set of short prompts: few live pages
+  refill  trace load again: the pools fill up again
+  die     the last `--die` sim-workers and their bridges are killed (SIGKILL, by PID): their
+          leases run out and the processor removes their pages; the survivors keep the load
+  tail    a short steady tail on the survivors
+
+Every `--sample-s` seconds it records the RSS (VmRSS of /proc/<pid>/status) of every process,
+Redis `used_memory` and `INFO keyspace`, the live (page, tier) entries summed from every
+worker's state hash (n1/n2/n4/n8), live workers, pending bookings (`kvt:{m}:bookings` zcard),
+the JetStream streams' bytes and oldest-message age (the monitoring endpoint's /jsz), and
+decisions/s, and the CPU each process used. Then `judge` gives the verdicts (see there): Redis
+bytes per live entry within a band; Redis memory falling with the pages on the flush and on
+the deaths; processor, router and surviving bridge RSS flat (window medians and least-squares
+slope); bookings bounded and all given back after the drain; the dead workers' pages, leases
+and load gone; Redis keys not growing; JetStream held by its retention; the load sustained.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import hashlib
+import json
+import math
+import os
+import pathlib
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+from kvtier.bench.processes import KvtierSubprocess
+
+SAMPLE_TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake_trace_sample.jsonl"
+MODEL = "soak"
+TRACE_BLOCK_TOKENS = 512
+#: (phase, share of the run). The die phase must outlast a lease (checked in SoakConfig).
+PHASES: tuple[tuple[str, float], ...] = (("steady", 0.40), ("evict", 0.12), ("refill", 0.14), ("die", 0.16),
+                                         ("tail", 0.18))
+MAX_MINUTES = 15.0
+WARM_UP_WORKER = "soak-warm-up"
+MIN_MINUTES = 0.5
+
+
+@dataclass
+class Thresholds:
+    #: RSS growth between the first and last steady windows (medians), and projected over the
+    #: run by the least-squares slope of every sample from the first steady window on.
+    rss_growth: float = 0.10
+    #: Redis bytes per live (page, tier) entry, net of the pre-load baseline: every phase that
+    #: holds at least `entries_floor` of the peak stays within this factor of the steady value.
+    per_entry_band: float = 1.5
+    entries_floor: float = 0.2
+    #: When live entries fall by Y (evict, die), net Redis memory must fall by >= this x Y.
+    memory_fall_ratio: float = 0.6
+    #: ... and the phase must really have removed pages: Y at least this much.
+    evict_min_fall: float = 0.5
+    die_min_fall: float = 0.25
+    #: JetStream: bytes in the tail at most this x the first steady window's (retention holds).
+    stream_growth: float = 1.5
+    #: the load itself: achieved rate >= this x --rate, errors <= this share of requests.
+    min_rate_share: float = 0.5
+    max_error_share: float = 0.01
+
+
+@dataclass
+class SoakConfig:
+    minutes: float = 10.0
+    sample_s: float | None = None  # default: run/120, within [1, 10] s
+    rate: float = 10.0  # requests/s
+    sim_workers: int = 2  # processes; the last `die` of them die in the die phase
+    ranks: int = 2  # simulated workers per sim-worker process
+    die: int = 1
+    routers: int = 2
+    #: 16-token pages: 4x the page churn of 64-token ones per request, so the processor's
+    #: bounded hash-check cache (100k digests) reaches its final size within the warm-up
+    #: (~190k fresh pages, ~2 min here; ~8 min with 64-token pages)
+    page_size: int = 16
+    device_pages: int = 1024
+    host_pages: int = 4096
+    max_prompt_tokens: int = 8192
+    decode_ms_per_token: float = 4.0  # a request's booking is completed after its simulated decode ...
+    max_hold_s: float = 2.0  # ... at most this long after its first token
+    max_inflight: int = 48
+    evict_prompts: int = 32  # the evict phase's working set: this many prompts ...
+    evict_prompt_pages: int = 8  # ... of this many pages
+    lease_ttl_s: float = 5.0
+    heartbeat_s: float = 1.0
+    #: retention of the events and decisions streams; JetStream refuses a max age below the
+    #: events stream's duplicate window (120 s, kvtier/streams.py)
+    stream_max_age_s: float = 120.0
+    #: trace load before the measured run (then every rank is flushed and the baseline taken):
+    #: the processes' bounded caches fill here (the processor's hash-check cache: ~190k fresh
+    #: pages to its final size)
+    warm_up_s: float = 60.0
+    trace: str = str(SAMPLE_TRACE)
+    seed: int = 1
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    def __post_init__(self) -> None:
+        if not MIN_MINUTES <= self.minutes <= MAX_MINUTES:
+            raise ValueError(f"--minutes must be within {MIN_MINUTES:g}..{MAX_MINUTES:g}, got {self.minutes:g}")
+        if not 1 <= self.die < self.sim_workers:
+            raise ValueError(f"--die must leave a survivor: 1 <= die < sim-workers ({self.sim_workers}), got {self.die}")
+        if not 1 <= self.routers <= 4:
+            raise ValueError(f"--routers must be 1..4, got {self.routers}")
+        if not 0 <= self.warm_up_s <= 300:
+            raise ValueError(f"--warm-up-s must be within 0..300, got {self.warm_up_s:g}")
+        if not 0 < self.rate <= 50:
+            raise ValueError(f"--rate must be within (0, 50] requests/s (loopback load stays bounded), got {self.rate}")
+        if self.sample_s is None:
+            self.sample_s = min(10.0, max(1.0, self.total_s / 120))
+        die_s = self.total_s * dict(PHASES)["die"]
+        if die_s < self.lease_ttl_s + 3:
+            raise ValueError(f"the die phase ({die_s:.0f}s) must outlast a lease ({self.lease_ttl_s:g}s) by 3s: "
+                             "raise --minutes or lower --lease-ttl")
+
+    @property
+    def total_s(self) -> float:
+        return self.minutes * 60
+
+    def phase_bounds(self) -> list[tuple[str, float, float]]:
+        bounds, t = [], 0.0
+        for name, share in PHASES:
+            bounds.append((name, t, t + share * self.total_s))
+            t += share * self.total_s
+        return bounds
+
+
+# --- request stream --------------------------------------------------------------------------
+def _block_tokens(hash_id: int, salt: int) -> array.array:
+    """512 token ids (< 65536) for one trace block in one loop over the trace: equal within a
+    loop (prefix sharing kept), fresh in the next."""
+    seed = hash_id.to_bytes(8, "little", signed=True) + salt.to_bytes(8, "little", signed=True)
+    return array.array("H", hashlib.shake_128(seed).digest(2 * TRACE_BLOCK_TOKENS))
+
+
+def trace_prompt(request: dict, salt: int, max_tokens: int) -> list[int]:
+    length = min(request["input_length"], max_tokens)
+    tokens = array.array("H")
+    for hash_id in request["hash_ids"]:
+        if len(tokens) >= length:
+            break
+        tokens.extend(_block_tokens(hash_id, salt))
+    return tokens[:length].tolist()
+
+
+def load_trace(path: str) -> list[dict]:
+    with open(path) as f:
+        requests = [json.loads(line) for line in f if line.strip()]
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
+
+
+# --- sampling --------------------------------------------------------------------------------
+def rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 2)
+    except OSError:
+        return None
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _parse_ts(text: str | None) -> float | None:
+    """NATS monitoring timestamps: RFC 3339 with nanoseconds."""
+    from datetime import datetime
+
+    if not text or text.startswith("0001-"):
+        return None
+    head, _, frac = text.rstrip("Z").partition(".")
+    try:
+        base = datetime.fromisoformat(head + "+00:00").timestamp()
+    except ValueError:
+        return None
+    return base + (float("0." + frac.split("+")[0].split("-")[0]) if frac else 0.0)
+
+
+def jetstream_streams(monitor_port: int) -> dict[str, dict]:
+    """name -> {bytes, messages, age_s} from nats-server's /jsz."""
+    url = f"http://127.0.0.1:{monitor_port}/jsz?streams=true"
+    with urllib.request.urlopen(url, timeout=2) as response:
+        data = json.load(response)
+    out = {}
+    now = time.time()
+    for account in data.get("account_details") or []:
+        for stream in account.get("stream_detail") or []:
+            state = stream.get("state") or {}
+            first = _parse_ts(state.get("first_ts"))
+            out[stream["name"]] = {"bytes": state.get("bytes", 0), "messages": state.get("messages", 0),
+                                   "age_s": round(now - first, 1) if first and state.get("messages") else 0.0}
+    return out
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def redis_state(client, model: str) -> dict:
+    """Redis memory, key counts, live entries per tier (state hashes), leases and bookings."""
+    from kvtier.schemas.state_keys import ModelKeys
+
+    keys = ModelKeys.for_model(model)
+    memory = client.info("memory")
+    keyspace = client.info("keyspace").get("db0", {})
+    workers = sorted(_text(w) for w in client.smembers(keys.workers))
+    pipe = client.pipeline(transaction=False)
+    for worker in workers:
+        pipe.hmget(keys.state(worker), "n1", "n2", "n4", "n8")
+    pipe.zcount(keys.leases, int(time.time() * 1000), "+inf")
+    pipe.zcard(keys.bookings)
+    pipe.hlen(keys.prefill_load)
+    pipe.hlen(keys.decode_load)
+    replies = pipe.execute()
+    per_worker = {}
+    for worker, counts in zip(workers, replies):
+        per_worker[worker] = [int(c or 0) for c in counts]
+    live, bookings, prefill_fields, decode_fields = replies[len(workers):]
+    return {"used_memory": int(memory["used_memory"]),
+            "used_memory_dataset": int(memory.get("used_memory_dataset", 0)),
+            "mem_clients": int(memory.get("mem_clients_normal", 0)),
+            "used_memory_scripts": int(memory.get("used_memory_scripts", memory.get("used_memory_scripts_eval", 0))),
+            "keys": int(keyspace.get("keys", 0)),
+            "expires": int(keyspace.get("expires", 0)), "per_worker": per_worker, "live_workers": int(live),
+            "bookings": int(bookings), "load_fields": int(prefill_fields) + int(decode_fields)}
+
+
+def _key_kind(key: str) -> str:
+    """A key with its worker id and request id left out: kvt:{m}:w:*:state, kvt:{m}:bk:*, ..."""
+    parts = key.split(":")
+    if len(parts) >= 4 and parts[2] == "w":
+        parts[3] = "*"
+    elif len(parts) >= 4 and parts[2] == "bk":
+        parts[3:] = ["*"]
+    return ":".join(parts)
+
+
+# --- the verdicts ----------------------------------------------------------------------------
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def least_squares(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(slope, intercept) of y = a t + b fitted to the points; None with fewer than 3."""
+    points = [(t, y) for t, y in points if y is not None]
+    if len(points) < 3:
+        return None
+    mt = statistics.fmean(t for t, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var == 0:
+        return None
+    slope = sum((t - mt) * (y - my) for t, y in points) / var
+    return slope, my - slope * mt
+
+
+def _in(samples: list[dict], start: float, end: float) -> list[dict]:
+    return [s for s in samples if start <= s["t"] < end]
+
+
+def windows(phases: list[tuple[str, float, float]]) -> dict[str, tuple[float, float]]:
+    """The settled part of each phase: its second half (the first is the transition)."""
+    return {name: (start + (end - start) / 2, end) for name, start, end in phases}
+
+
+def _verdict(name: str, ok: bool, detail: str, **numbers) -> dict:
+    return {"name": name, "ok": bool(ok), "detail": detail, **numbers}
+
+
+def _rss_names(samples: list[dict]) -> list[str]:
+    names = []
+    for s in samples:
+        for key in s:
+            if key.startswith("rss_") and key not in names:
+                names.append(key)
+    return names
+
+
+def judge(samples: list[dict], phases: list[tuple[str, float, float]], baseline_used_memory: int,
+          meta: dict, th: Thresholds | None = None) -> list[dict]:
+    """The soak's verdicts, from its samples alone (pure: unit-tested on synthetic series).
+
+    `samples`: dicts with `t` (s since the load started), `redis_mem` (Redis used_memory less
+    client buffers; `baseline_used_memory` is the same before any page), `entries`,
+    `dead_entries`, `keys`, `bookings`, `rss_<process>` (MB; None once dead), `js_<stream>_mb`,
+    `js_<stream>_age_s`. `phases`: (name, start, end) of steady, evict, refill, die, tail.
+    `meta`: `rate`, `requests`, `errors`, `load_s`, `kill_t`, `lease_ttl_s`, `routed_to_dead_late`,
+    `end` (the checks after the drain: bookings, load_fields, dead worker keys), `survivors`
+    (rss_ names judged for growth), `stream_max_age_s`.
+    """
+    th = th or Thresholds()
+    w = windows(phases)
+    out: list[dict] = []
+
+    def med(window: str, key: str, fn=None):
+        picked = _in(samples, *w[window])
+        return _median([(fn(s) if fn else s.get(key)) for s in picked])
+
+    def net(s):
+        return s["redis_mem"] - baseline_used_memory
+
+    def per_entry(s):
+        return net(s) / s["entries"] if s["entries"] else None
+
+    # 1. Redis bytes per live entry stay in a band wherever there are many entries.
+    peak = max((s["entries"] for s in samples), default=0)
+    ref = med("steady", "", per_entry)
+    band = {}
+    for name in ("steady", "refill", "die", "tail"):
+        entries = med(name, "entries")
+        if entries and peak and entries >= th.entries_floor * peak:
+            band[name] = med(name, "", per_entry)
+    ok = bool(ref) and ref > 0 and all(v is not None and ref / th.per_entry_band <= v <= ref * th.per_entry_band
+                                       for v in band.values())
+    out.append(_verdict(
+        "redis_bytes_per_entry", ok,
+        "Redis memory (used_memory - client buffers, net of the baseline) per live (page, tier) entry: " + ", ".join(
+            f"{k} {v:.0f} B" if v is not None else f"{k} -" for k, v in band.items())
+        + f" (band: steady / {th.per_entry_band:g} .. x{th.per_entry_band:g})",
+        bytes_per_entry={k: round(v, 1) if v is not None else None for k, v in band.items()}))
+
+    # 2. Memory falls with the pages when the workers flush (steady -> evict windows).
+    def fall(name: str, e0, e1, m0, m1, min_fall: float, what: str, extra: str = "", **numbers) -> dict:
+        if not e0 or m0 is None or m1 is None or e1 is None or m0 <= 0:
+            return _verdict(name, False, f"{what}: no data")
+        pages_fall = 1 - e1 / e0
+        memory_fall = 1 - m1 / m0
+        ok = pages_fall >= min_fall and memory_fall >= th.memory_fall_ratio * pages_fall
+        return _verdict(
+            name, ok, f"{what}: live entries {e0:,.0f} -> {e1:,.0f} ({-pages_fall:+.0%}), Redis net memory "
+                      f"{m0 / 2**20:.2f} -> {m1 / 2**20:.2f} MB ({-memory_fall:+.0%}); needs entries -{min_fall:.0%} "
+                      f"or more and memory down >= {th.memory_fall_ratio:g}x as much{extra}",
+            pages_fall=round(pages_fall, 4), memory_fall=round(memory_fall, 4), **numbers)
+
+    out.append(fall("redis_falls_on_evict", med("steady", "entries"), med("evict", "entries"),
+                    med("steady", "", net), med("evict", "", net), th.evict_min_fall, "steady -> evict"))
+
+    # 3. ... and when workers die: the last samples before the kill against the first ones after
+    # their entries are gone (medians of up to 3 each; the survivors' pools are full by then).
+    kill_t = meta.get("kill_t")
+    gone_t = None
+    if kill_t is not None:
+        gone_t = next((s["t"] for s in samples if s["t"] >= kill_t and s.get("dead_entries", 0) == 0), None)
+    if kill_t is None or gone_t is None:
+        out.append(_verdict("redis_falls_on_death", False, "the dead workers' entries never went away"))
+    else:
+        # between the kill and the removal the dead workers' state is frozen: the last state
+        # before the removal (or, if the removal beat the sampler, the last before the kill)
+        before = ([s for s in samples if kill_t <= s["t"] < gone_t] or [s for s in samples if s["t"] < kill_t])[-3:]
+        after = [s for s in samples if s["t"] >= gone_t][:3]
+        dead_share = _median([s.get("dead_entries", 0) / s["entries"] if s["entries"] else None for s in before])
+        out.append(fall("redis_falls_on_death", _median([s["entries"] for s in before]),
+                        _median([s["entries"] for s in after]), _median([net(s) for s in before]),
+                        _median([net(s) for s in after]), th.die_min_fall, "dead workers' pages removed",
+                        f" (the dead held {dead_share or 0:.0%} of the entries)",
+                        dead_share=round(dead_share or 0, 4)))
+
+    # 4. RSS of the long-lived processes: no growth between the steady windows, nor by slope.
+    first_start, first_end = w["steady"]
+    last_start, last_end = w["tail"]
+    for key in meta.get("survivors") or _rss_names(samples):
+        first = med("steady", key)
+        last = med("tail", key)
+        fit = least_squares([(s["t"], s.get(key)) for s in samples if s["t"] >= first_start])
+        if not first or last is None or fit is None:
+            out.append(_verdict(f"rss_{key[4:-3]}", False, f"{key}: not enough samples"))
+            continue
+        slope, intercept = fit
+        at_start = slope * first_start + intercept
+        span = last_end - first_start
+        projected = slope * span / at_start if at_start > 0 else math.inf
+        growth = last / first - 1
+        ok = growth < th.rss_growth and projected < th.rss_growth
+        out.append(_verdict(
+            f"rss_{key[4:-3]}", ok,
+            f"{key[4:-3]} RSS {first:.1f} MB (steady) -> {last:.1f} MB (tail), {growth:+.1%}; least-squares slope "
+            f"{slope * 60:+.2f} MB/min = {projected:+.1%} over {span / 60:.1f} min (bound < {th.rss_growth:.0%})",
+            first_mb=round(first, 2), last_mb=round(last, 2), growth=round(growth, 4),
+            slope_mb_per_min=round(slope * 60, 3), projected_growth=round(projected, 4)))
+
+    # 5. Bookings: bounded while loaded, all given back after the drain.
+    end = meta.get("end", {})
+    bound = int(math.ceil(meta["rate"] * (meta.get("max_hold_s", 2.0) + 2) * 2)) + meta.get("max_inflight", 48)
+    peak_bookings = max((s.get("bookings", 0) for s in samples), default=0)
+    fit = least_squares([(s["t"], s.get("bookings")) for s in samples
+                         if first_start <= s["t"] and not (w["evict"][0] - 1 <= s["t"] < w["evict"][0])])
+    ok = (peak_bookings <= bound and end.get("bookings") == 0 and end.get("load_fields") == 0
+          and end.get("booking_keys") == 0)
+    out.append(_verdict(
+        "bookings_released", ok,
+        f"pending bookings peak {peak_bookings} (bound {bound}); after the drain {end.get('bookings')} bookings, "
+        f"{end.get('booking_keys')} bk: keys, {end.get('load_fields')} load fields"
+        + (f"; slope {fit[0] * 60:+.2f}/min" if fit else ""),
+        peak=peak_bookings, bound=bound, after_drain=end.get("bookings")))
+
+    # 6. Dead workers: pages and lease gone after expiry, state bounded, no routes to them.
+    dead = end.get("dead_workers", {})
+    limit = meta.get("lease_ttl_s", 5.0) + 2 + 2 * meta.get("sample_s", 1.0) + 3
+    problems = []
+    for worker, info in dead.items():
+        if info.get("pages_key"):
+            problems.append(f"{worker}: pages set still there")
+        if info.get("lease"):
+            problems.append(f"{worker}: lease still there")
+        if info.get("entries"):
+            problems.append(f"{worker}: state still counts {info['entries']} entries")
+        if info.get("state_ttl", -2) == -1:
+            problems.append(f"{worker}: state hash without TTL")
+        if info.get("load"):
+            problems.append(f"{worker}: booked load left")
+    late = meta.get("routed_to_dead_late", 0)
+    if late:
+        problems.append(f"{late} decisions chose a dead worker after its lease expired")
+    removed_after = None if gone_t is None or kill_t is None else gone_t - kill_t
+    if removed_after is None or removed_after > limit:
+        problems.append(f"dead workers' entries not gone within {limit:.0f}s of the kill")
+    lingering = sorted({k for info in dead.values() for k in info.get("lingering", [])})
+    out.append(_verdict(
+        "dead_workers_cleared", bool(dead) and not problems,
+        (f"{len(dead)} dead workers: entries gone {removed_after:.1f}s after the kill (lease {meta.get('lease_ttl_s')}s)"
+         if removed_after is not None else f"{len(dead)} dead workers: entries never reached 0")
+        + (f"; state TTL {min(i.get('state_ttl', -2) for i in dead.values())}s" if dead else "")
+        + (f"; left without TTL: {', '.join(lingering)}" if lingering else "")
+        + ("; " + "; ".join(problems) if problems else ""),
+        removed_after_s=None if removed_after is None else round(removed_after, 1), lingering=lingering))
+
+    # 7. Redis keys: the tail holds no more keys than the steady state did.
+    k_first = max((s["keys"] for s in _in(samples, *w["steady"])), default=None)
+    k_last = max((s["keys"] for s in _in(samples, *w["tail"])), default=None)
+    ok = k_first is not None and k_last is not None and k_last <= k_first
+    out.append(_verdict("redis_keys_bounded", ok, f"Redis keys: steady max {k_first}, tail max {k_last}",
+                        steady_max=k_first, tail_max=k_last))
+
+    # 8. JetStream: bounded by its retention: the oldest message is never older than the max
+    # age, and (when the steady phase outlasts a max age) the tail holds no more bytes than
+    # the steady state did.
+    max_age = meta.get("stream_max_age_s")
+    details, ok = [], True
+    judged_bytes = max_age is not None and first_end >= max_age + 2 * meta.get("sample_s", 1.0)
+    for stream in sorted({k[3:-3] for s in samples for k in s if k.startswith("js_") and k.endswith("_mb")}):
+        b_first = max((s.get(f"js_{stream}_mb") or 0 for s in _in(samples, *w["steady"])), default=0)
+        b_last = max((s.get(f"js_{stream}_mb") or 0 for s in _in(samples, *w["tail"])), default=0)
+        oldest = max((s.get(f"js_{stream}_age_s") or 0 for s in samples), default=0)
+        stream_ok = max_age is None or oldest <= max_age + 10
+        if judged_bytes:
+            stream_ok = stream_ok and b_last <= th.stream_growth * max(b_first, 0.01)
+        ok = ok and stream_ok
+        details.append(f"{stream} {b_first:.1f} -> {b_last:.1f} MB, oldest {oldest:.0f}s")
+    out.append(_verdict("jetstream_retention", ok and bool(details),
+                        "; ".join(details) + (f" (max age {max_age:g}s" if max_age else " (")
+                        + (f"; tail <= {th.stream_growth:g}x steady)" if judged_bytes else
+                           "; bytes not compared: the steady phase is shorter than a max age)"),
+                        bytes_judged=judged_bytes))
+
+    # 9. The load itself (a soak that routed nothing proves nothing).
+    achieved = meta["requests"] / meta["load_s"] if meta.get("load_s") else 0
+    error_share = meta.get("errors", 0) / max(meta["requests"], 1)
+    ok = achieved >= th.min_rate_share * meta["rate"] and error_share <= th.max_error_share
+    out.append(_verdict("load_sustained", ok,
+                        f"{meta['requests']:,} requests, {achieved:.1f}/s of {meta['rate']:g}/s asked, "
+                        f"{meta.get('errors', 0)} errors, {meta.get('routed_to_dead', 0)} routed to a dying worker "
+                        f"before its lease ran out", achieved_rate=round(achieved, 2), errors=meta.get("errors", 0)))
+    return out
+
+
+def phase_medians(samples: list[dict], phases: list[tuple[str, float, float]]) -> dict[str, dict]:
+    out = {}
+    for name, start, end in phases:
+        picked = _in(samples, start, end)
+        metrics: dict[str, float | None] = {"samples": len(picked)}
+        keys = [k for k in (picked[0] if picked else {}) if k not in ("t", "phase")]
+        for s in picked:
+            keys += [k for k in s if k not in keys and k not in ("t", "phase")]
+        for key in keys:
+            values = [s.get(key) for s in picked]
+            if all(isinstance(v, (int, float)) or v is None for v in values):
+                m = _median(values)
+                metrics[key] = round(m, 3) if isinstance(m, float) else m
+        out[name] = metrics
+    return out
+
+
+def format_table(medians: dict[str, dict], phases, baseline_used_memory: int) -> str:
+    order = ("rss_processor", "rss_router", "rss_bridge", "rss_sim", "rss_nats", "rss_redis")
+    rss_keys = sorted({k for m in medians.values() for k in m if k.startswith("rss_")},
+                      key=lambda k: (next((i for i, o in enumerate(order) if k.startswith(o)), len(order)), k))
+    rss_short = {k: k[4:].replace("_mb", "") for k in rss_keys}
+    header = (f"{'phase':<7} {'s':>5} {'wrk':>3} {'device':>7} {'host':>7} {'redis MB':>8} {'B/entry':>7} "
+              f"{'keys':>5} {'bk':>4} {'dec/s':>5} {'JS MB ev/dec':>12} " + " ".join(f"{v:>9}" for v in rss_short.values()))
+    lines = ["medians per phase; RSS in MB", header, "-" * len(header)]
+    for name, start, end in phases:
+        m = medians.get(name, {})
+
+        def g(key, fmt="{:.0f}"):
+            v = m.get(key)
+            return fmt.format(v) if v is not None else "-"
+
+        used = m.get("used_memory")
+        mem = m.get("redis_mem")
+        entries = m.get("entries") or 0
+        per = (mem - baseline_used_memory) / entries if mem is not None and entries >= 1000 else None
+        lines.append(
+            f"{name:<7} {end - start:>5.0f} {g('live_workers'):>3} {g('entries_n1'):>7} {g('entries_n2'):>7} "
+            f"{(used or 0) / 2**20:>8.2f} {per if per is not None else float('nan'):>7.0f} {g('keys'):>5} "
+            f"{g('bookings'):>4} {g('decisions_per_s', '{:.1f}'):>5} "
+            f"{g('js_KVTIER_EVENTS_mb', '{:.1f}') + '/' + g('js_KVTIER_DECISIONS_mb', '{:.1f}'):>12} "
+            + " ".join(f"{g(k, '{:.1f}'):>9}" for k in rss_keys))
+    cpu_keys = [k.replace("rss_", "cpu_").replace("_mb", "") for k in rss_keys]
+    lines += ["", "CPU cores used (medians per phase)",
+              f"{'phase':<7} {'all':>5} " + " ".join(f"{v:>9}" for v in rss_short.values())]
+    for name, _start, _end in phases:
+        m = medians.get(name, {})
+        total = sum(m.get(k) or 0 for k in cpu_keys)
+        lines.append(f"{name:<7} {total:>5.2f} " + " ".join(
+            f"{m[k]:>9.2f}" if m.get(k) is not None else f"{'-':>9}" for k in cpu_keys))
+    return "\n".join(lines)
+
+
+def format_verdicts(verdicts: list[dict]) -> str:
+    return "\n".join(f"{'PASS' if v['ok'] else 'FAIL'}  {v['name']:<22} {v['detail']}" for v in verdicts)
+
+
+def write_plot(samples: list[dict], phases, baseline_used_memory: int, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    t = [s["t"] / 60 for s in samples]
+    fig, axes = plt.subplots(6, 1, figsize=(11, 15), sharex=True)
+
+    def shade(ax):
+        for i, (name, start, end) in enumerate(phases):
+            ax.axvspan(start / 60, end / 60, color="#000000", alpha=0.04 * (i % 2))
+            if ax is axes[0]:
+                ax.text((start + end) / 120, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+
+    ax = axes[0]
+    for key, label in (("entries_n1", "device"), ("entries_n2", "host"), ("entries", "all")):
+        ax.plot(t, [s.get(key) for s in samples], label=label)
+    ax.set_ylabel("live (page, tier)\nentries")
+    ax2 = ax.twinx()
+    ax2.step(t, [s.get("live_workers") for s in samples], color="#888888", where="post", label="live workers")
+    ax2.set_ylabel("live workers")
+    ax.legend(loc="upper right", fontsize=8)
+    ax = axes[1]
+    ax.plot(t, [s["used_memory"] / 2**20 for s in samples], label="used_memory", color="#C44E52")
+    ax.plot(t, [s["redis_mem"] / 2**20 for s in samples], label="less client buffers", color="#DD8452")
+    ax.axhline(baseline_used_memory / 2**20, color="#DD8452", linestyle=":", label="baseline")
+    ax.set_ylabel("Redis MB")
+    ax2 = ax.twinx()
+    ax2.plot(t, [(s["redis_mem"] - baseline_used_memory) / s["entries"] if s["entries"] > 1000 else None
+                 for s in samples], color="#55A868", label="net B/entry")
+    ax2.set_ylabel("net bytes / entry")
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="upper right", fontsize=8)
+    ours = ("rss_processor", "rss_router", "rss_bridge")
+    for ax, keys, label in ((axes[2], [k for k in _rss_names(samples) if k.startswith(ours)], "kvtier RSS MB"),
+                            (axes[3], [k for k in _rss_names(samples) if not k.startswith(ours)], "others' RSS MB")):
+        for key in keys:
+            ax.plot(t, [s.get(key) for s in samples], label=key[4:].replace("_mb", ""))
+        ax.set_ylabel(label)
+        ax.legend(loc="upper left", fontsize=7, ncol=5)
+    ax = axes[4]
+    ax.plot(t, [s.get("bookings") for s in samples], label="pending bookings")
+    ax.plot(t, [s.get("decisions_per_s") for s in samples], label="decisions/s")
+    ax.plot(t, [s.get("keys") for s in samples], label="Redis keys")
+    ax.legend(loc="upper left", fontsize=8)
+    ax = axes[5]
+    for key in sorted({k for s in samples for k in s if k.startswith("js_") and k.endswith("_mb")}):
+        ax.plot(t, [s.get(key) for s in samples], label=key[3:-3])
+    ax.set_ylabel("JetStream MB")
+    ax.set_xlabel("minutes")
+    ax.legend(loc="upper left", fontsize=8)
+    for ax in axes:
+        shade(ax)
+    fig.suptitle("kvtier bench soak: memory against live pages")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+# --- the run ---------------------------------------------------------------------------------
+class _Proc:
+    """A KvtierSubprocess that can also be killed (a crash) by PID."""
+
+    def __init__(self, args, log_dir, name):
+        self.sub = KvtierSubprocess(args, log_dir, name)
+        self.name = name
+
+    @property
+    def pid(self) -> int | None:
+        return self.sub.proc.pid if self.sub.proc.poll() is None else None
+
+    def check(self) -> None:
+        self.sub.check()
+
+    def kill(self) -> None:
+        if self.sub.proc.poll() is None:
+            os.kill(self.sub.proc.pid, signal.SIGKILL)
+            self.sub.proc.wait(10)
+
+    def stop(self) -> None:
+        self.sub.stop()
+
+
+@dataclass
+class _Stats:
+    requests: int = 0
+    errors: int = 0
+    error_examples: list = field(default_factory=list)
+    routed_to_dead: int = 0
+    routed_to_dead_late: int = 0
+    decisions_since: int = 0
+
+
+class Soak:
+    def __init__(self, cfg: SoakConfig, log_dir: str, progress=None):
+        self.cfg = cfg
+        self.log_dir = log_dir
+        self.progress = progress or (lambda text: None)
+        self.procs: dict[str, _Proc] = {}
+        self.sims: list[dict] = []  # {"name", "url", "alive", "worker_prefix"}
+        self.routers: list[str] = []
+        self.samples: list[dict] = []
+        self.stats = _Stats()
+        self.mode = "trace"
+        self.kill_t: float | None = None
+        self.dead_workers: list[str] = []  # killed
+        self.dying_workers: set[str] = set()  # to be killed in the die phase
+        self.baseline_used_memory = 0
+        self._killed: set[str] = set()
+        self._cpu_prev: dict[str, tuple[float | None, float]] = {}
+        self._redis_pid: int | None = None
+
+    # -- processes --
+    def _start(self, name: str, args: list[str]) -> _Proc:
+        proc = _Proc(args, self.log_dir, name)
+        self.procs[name] = proc
+        return proc
+
+    def start_stack(self, nats_url: str, redis_url: str) -> None:
+        from kvtier.embedded import free_port
+        from kvtier.producers.sim_worker import free_port_block
+
+        cfg = self.cfg
+        common = ["--log-level", "WARNING"]
+        stream = ["--stream-max-age", str(cfg.stream_max_age_s)]
+        self._start("processor", ["processor", "--nats", nats_url, "--redis", redis_url, "--reap-interval", "1",
+                                  *stream, *common])
+        for i in range(cfg.sim_workers):
+            name = chr(ord("a") + i)
+            zmq = free_port_block(cfg.ranks)
+            replay = free_port_block(cfg.ranks)
+            http = free_port()
+            self._start(f"sim_{name}", [
+                "sim-worker", "--ranks", str(cfg.ranks), "--port", str(zmq), "--replay-port", str(replay),
+                "--http-port", str(http), "--page-size", str(cfg.page_size), "--device-pages", str(cfg.device_pages),
+                "--host-pages", str(cfg.host_pages), *common])
+            self._start(f"bridge_{name}", [
+                "bridge", "--endpoint", f"tcp://127.0.0.1:{zmq}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
+                "--worker-id", f"soak-{name}", "--model", MODEL, "--page-size", str(cfg.page_size),
+                "--dp-size", str(cfg.ranks), "--nats", nats_url, "--heartbeat", str(cfg.heartbeat_s),
+                "--lease-ttl", str(cfg.lease_ttl_s), "--hicache", "on", *stream, *common])
+            prefix = f"soak-{name}" + ("-dp" if cfg.ranks > 1 else "")
+            self.sims.append({"name": name, "url": f"http://127.0.0.1:{http}", "alive": True, "prefix": prefix})
+            if i >= cfg.sim_workers - cfg.die:
+                self.dying_workers.update(self.worker_ids(self.sims[-1]))
+        for r in range(cfg.routers):
+            port = free_port()
+            self._start(f"router{r}", ["router", "--redis", redis_url, "--nats", nats_url, "--http-port", str(port),
+                                       "--router-id", f"soak-{r}", *common])
+            self.routers.append(f"http://127.0.0.1:{port}")
+
+    def worker_ids(self, sim: dict) -> list[str]:
+        if self.cfg.ranks == 1:
+            return [sim["prefix"]]
+        return [f"{sim['prefix']}{r}" for r in range(self.cfg.ranks)]
+
+    def _sim_of(self, worker_id: str) -> tuple[dict, int]:
+        for sim in self.sims:
+            if self.cfg.ranks == 1 and worker_id == sim["prefix"]:
+                return sim, 0
+            if self.cfg.ranks > 1 and worker_id.startswith(sim["prefix"]):
+                return sim, int(worker_id[len(sim["prefix"]):])
+        raise KeyError(worker_id)
+
+    def stop_all(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            try:
+                proc.stop()
+            except Exception:  # noqa: BLE001 - stop the others regardless
+                pass
+
+    # -- sampling --
+    def sample(self, t: float, phase: str, client, nats_monitor: int, servers: dict[str, int | None],
+               decisions: int, interval: float) -> dict:
+        state = redis_state(client, MODEL)
+        s: dict = {"t": round(t, 2), "phase": phase}
+        pids = {name: proc.pid for name, proc in self.procs.items()} | servers
+        for name, pid in pids.items():
+            s[f"rss_{name}_mb"] = rss_mb(pid)
+        for name, pid in pids.items():  # cores used since the previous sample
+            used, (before, at) = cpu_seconds(pid), self._cpu_prev.get(name, (None, None))
+            s[f"cpu_{name}"] = round((used - before) / (t - at), 3) if None not in (used, before) and t > at else None
+            self._cpu_prev[name] = (used, t)
+        for key in ("used_memory", "used_memory_dataset", "mem_clients", "used_memory_scripts"):
+            s[key] = state[key]
+        s["redis_mem"] = state["used_memory"] - state["mem_clients"]
+        s["keys"] = state["keys"]
+        s["expires"] = state["expires"]
+        totals = [0, 0, 0, 0]
+        dead_entries = 0
+        for worker, counts in state["per_worker"].items():
+            totals = [a + b for a, b in zip(totals, counts)]
+            if worker in self.dying_workers:
+                dead_entries += sum(counts)
+        for bit, total in zip((1, 2, 4, 8), totals):
+            s[f"entries_n{bit}"] = total
+        s["entries"] = sum(totals)
+        s["dead_entries"] = dead_entries
+        s["live_workers"] = state["live_workers"]
+        s["bookings"] = state["bookings"]
+        try:
+            for stream, info in jetstream_streams(nats_monitor).items():
+                s[f"js_{stream}_mb"] = round(info["bytes"] / 2**20, 3)
+                s[f"js_{stream}_age_s"] = info["age_s"]
+        except OSError:
+            pass
+        s["decisions_per_s"] = round(decisions / interval, 2) if interval > 0 else None
+        return s
+
+    def end_checks(self, client) -> dict:
+        """After the drain: bookings and booked load given back; what dead workers left."""
+        from kvtier.schemas.state_keys import ModelKeys
+
+        keys = ModelKeys.for_model(MODEL)
+        state = redis_state(client, MODEL)
+        booking_keys = sum(1 for _ in client.scan_iter(match=f"{keys.base}:bk:*", count=1000))
+        dead = {}
+        leases = {_text(w) for w in client.zrange(keys.leases, 0, -1)}
+        prefill = {_text(k) for k in client.hkeys(keys.prefill_load)}
+        decode = {_text(k) for k in client.hkeys(keys.decode_load)}
+        for worker in self.dead_workers:
+            lingering = []
+            if client.exists(keys.meta(worker)) and client.ttl(keys.meta(worker)) == -1:
+                lingering.append("meta key")
+            if client.sismember(keys.workers, worker):
+                lingering.append("workers member")
+            if client.hexists(keys.page_sizes, worker):
+                lingering.append("page_size field")
+            if client.hexists(keys.hash_check, worker):
+                lingering.append("hash_check field")
+            if client.sismember(keys.stale_workers, worker):
+                lingering.append("stale member")
+            dead[worker] = {
+                "pages_key": bool(client.exists(keys.pages(worker))),
+                "lease": worker in leases,
+                "entries": sum(state["per_worker"].get(worker, [0])),
+                "state_ttl": client.ttl(keys.state(worker)),
+                "meta_ttl": client.ttl(keys.meta(worker)),
+                "load": worker in prefill or worker in decode,
+                "lingering": lingering,
+            }
+        key_memory: dict[str, list[int]] = {}  # key kind -> [keys, bytes]
+        for key in client.scan_iter(count=1000):
+            kind = _key_kind(_text(key))
+            entry = key_memory.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += int(client.memory_usage(key, samples=0) or 0)
+        return {"bookings": state["bookings"], "load_fields": state["load_fields"], "booking_keys": booking_keys,
+                "key_memory": key_memory,
+                "keys": state["keys"], "used_memory": state["used_memory"], "dead_workers": dead}
+
+    # -- load --
+    async def _one(self, index: int) -> None:
+        """One request: route, serve on the chosen rank, release at first token, and complete
+        after its simulated decode (or at once when the chosen worker is dead)."""
+        cfg, stats, session = self.cfg, self.stats, self.session
+        if self.mode == "small":
+            tokens, out_len = self.evict_set[index % len(self.evict_set)], 64
+        else:
+            request = self.trace[index % len(self.trace)]
+            tokens = trace_prompt(request, index // len(self.trace), cfg.max_prompt_tokens)
+            out_len = request["output_length"]
+        router = self.routers[index % len(self.routers)]
+        request_id = f"soak-{index}"
+        sim, booked = None, False
+        try:
+            async with session.post(router + "/v1/route", json={
+                    "model": MODEL, "token_ids": tokens, "request_id": request_id, "max_new_tokens": out_len}) as r:
+                decision = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"route {r.status}: {decision}")
+            stats.decisions_since += 1
+            booked = True
+            sim, rank = self._sim_of(decision["worker_id"])
+            if not sim["alive"]:
+                stats.routed_to_dead += 1
+                if self.kill_t is not None and self.now() > self.kill_t + cfg.lease_ttl_s + 3:
+                    stats.routed_to_dead_late += 1
+                stats.requests += 1
+                await self._release_later(router, request_id, 0)
+                return
+            async with session.post(f"{sim['url']}/w/{rank}/generate",
+                                    json={"input_ids": tokens, "now": self.sim_now()}) as r:
+                served = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"generate {r.status}: {served}")
+            async with session.post(router + "/v1/release", json={
+                    "model": MODEL, "request_id": request_id, "stage": "first_token"}) as r:
+                await r.read()
+            stats.requests += 1
+            hold = min(out_len * cfg.decode_ms_per_token / 1000, cfg.max_hold_s)
+            task = asyncio.ensure_future(self._release_later(router, request_id, hold))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+        except Exception as exc:  # noqa: BLE001 - counted and shown
+            stats.requests += 1
+            if sim is not None and not sim["alive"]:
+                stats.routed_to_dead += 1  # its worker died under it
+            else:
+                self._error(repr(exc))
+            if booked:  # a client gives the booked load back when its request fails
+                await self._release_later(router, request_id, 0)
+
+    async def _release_later(self, router: str, request_id: str, delay: float) -> None:
+        try:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with self.session.post(router + "/v1/release", json={
+                    "model": MODEL, "request_id": request_id, "stage": "complete"}) as r:
+                await r.read()
+        except Exception as exc:  # noqa: BLE001 - counted; the booking would expire
+            self._error(f"release: {exc!r}")
+
+    async def _load(self, stop: asyncio.Event) -> None:
+        """Requests at --rate (jittered, never bursting to catch up), at most --max-inflight."""
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+        inflight: set[asyncio.Task] = set()
+        interval = 1.0 / cfg.rate
+        next_at = loop.time()
+        while not stop.is_set():
+            next_at += self.rng.uniform(0.5, 1.5) * interval
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                next_at = loop.time()
+            if len(inflight) >= cfg.max_inflight:
+                await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            task = asyncio.ensure_future(self._one(self.index))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+            self.index += 1
+        if inflight:
+            await asyncio.wait(inflight)
+
+    async def _ticker(self, stop: asyncio.Event) -> None:
+        # device->host copies land in simulated time even on ranks no request reaches
+        while not stop.is_set():
+            for sim in self.sims:
+                if sim["alive"]:
+                    try:
+                        async with self.session.post(sim["url"] + "/advance", json={"now": self.sim_now()}) as r:
+                            await r.read()
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
+            await asyncio.sleep(0.1)
+
+    def now(self) -> float:
+        """Seconds since the measured load started."""
+        return asyncio.get_running_loop().time() - self.t0
+
+    def sim_now(self) -> float:
+        """The simulated clock: seconds since the warm-up started."""
+        return asyncio.get_running_loop().time() - self.clock0
+
+    async def _wait_up(self, client) -> None:
+        import aiohttp
+
+        total_ranks = self.cfg.sim_workers * self.cfg.ranks
+        deadline = time.monotonic() + 90
+        for url in [s["url"] + "/healthz" for s in self.sims] + [r + "/healthz" for r in self.routers]:
+            while True:
+                for proc in self.procs.values():
+                    proc.check()
+                try:
+                    async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status == 200:
+                            break
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} did not answer within 90s")
+                await asyncio.sleep(0.2)
+        while redis_state(client, MODEL)["live_workers"] < total_ranks:
+            for proc in self.procs.values():
+                proc.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {total_ranks} simulated workers did not announce within 90s")
+            await asyncio.sleep(0.2)
+
+    async def run(self, nats_server, redis_url: str) -> dict:
+        import aiohttp
+        import redis as redis_sync
+
+        cfg = self.cfg
+        self.trace = load_trace(cfg.trace)
+        self.rng = random.Random(cfg.seed)
+        self.index = 0
+        self.pending: set[asyncio.Task] = set()
+        self.evict_set = [trace_prompt(self.trace[i % len(self.trace)], -1, cfg.evict_prompt_pages * cfg.page_size)
+                          for i in range(cfg.evict_prompts)]
+        client = redis_sync.Redis.from_url(redis_url)
+        servers = {"nats": nats_server.pid, "redis": self._redis_pid}
+        loop = asyncio.get_running_loop()
+        stats = self.stats
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as session:
+            self.session = session
+            self.clock0 = self.t0 = loop.time()
+            await self._wait_up(client)
+            if cfg.warm_up_s > 0:
+                self.progress(f"warm-up: {cfg.warm_up_s:g}s of trace load (not measured)")
+                stop = asyncio.Event()
+                tasks = [asyncio.ensure_future(self._load(stop)), asyncio.ensure_future(self._ticker(stop))]
+                await asyncio.sleep(cfg.warm_up_s)
+                stop.set()
+                await asyncio.gather(*tasks)
+                if self.pending:
+                    await asyncio.wait(set(self.pending), timeout=cfg.max_hold_s + 30)
+            await self._settle(client)
+            self.stats = stats = _Stats()  # the warm-up is not counted
+            self.progress(f"stack up ({len(self.procs)} processes); Redis baseline "
+                          f"{self.baseline_used_memory / 2**20:.2f} MB")
+
+            self.t0 = loop.time()
+            phases = cfg.phase_bounds()
+            state = {"phase": phases[0][0]}
+            stop = asyncio.Event()
+
+            async def sampler():
+                last_t = self.now()
+                while True:
+                    t = self.now()
+                    decisions, stats.decisions_since = stats.decisions_since, 0
+                    sample = await asyncio.to_thread(self.sample, t, state["phase"], client, nats_server.monitor_port,
+                                                     servers, decisions, t - last_t)
+                    last_t = t
+                    self.samples.append(sample)
+                    if stop.is_set():
+                        return
+                    await asyncio.sleep(max(0.0, cfg.sample_s - (self.now() - t)))
+
+            tasks = [asyncio.ensure_future(self._load(stop)), asyncio.ensure_future(self._ticker(stop)),
+                     asyncio.ensure_future(sampler())]
+            try:
+                for name, start, end in phases:
+                    delay = start - self.now()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    state["phase"] = name
+                    await self._enter_phase(name, session, self.now)
+                    self.progress(f"{self.now():6.0f}s  phase {name}: {stats.requests:,} requests so far, "
+                                  f"{stats.errors} errors")
+                    while self.now() < end:
+                        for task in tasks:
+                            if task.done():
+                                task.result()  # surface a crash of the driver itself
+                        for pname, proc in self.procs.items():
+                            if pname not in self._killed:
+                                proc.check()
+                        await asyncio.sleep(min(1.0, max(0.0, end - self.now())))
+                load_s = self.now()
+                stop.set()
+                await asyncio.gather(*tasks)
+            finally:
+                stop.set()
+                for task in tasks:
+                    task.cancel()
+            # Drain: every outstanding release, then the booking checks.
+            if self.pending:
+                await asyncio.wait(set(self.pending), timeout=cfg.max_hold_s + 30)
+        await asyncio.sleep(0.5)
+        end = self.end_checks(client)
+        client.close()
+        return {"phases": phases, "load_s": load_s, "end": end}
+
+    async def _settle(self, client) -> None:
+        """Take the baseline: pay Redis's one-time costs, flush every rank, measure."""
+        await self._warm_up(self.session, client)
+        base = []
+        for _ in range(5):
+            state0 = redis_state(client, MODEL)
+            base.append(state0["used_memory"] - state0["mem_clients"])
+            await asyncio.sleep(0.3)
+        self.baseline_used_memory = int(statistics.median(base))
+
+    async def _warm_up(self, session, client) -> None:
+        """Pay Redis's one-time costs before the baseline: every script the processor and the
+        routers run and the per-worker bookkeeping keys. A few one-page requests through each
+        router, a lease expired, then every rank flushed: no page is left when the baseline
+        is taken."""
+        from kvtier.consumers.apply import TierStateWriter
+        from kvtier.schemas.events import BridgeCursor, WorkerAnnounce
+        from kvtier.schemas.state_keys import ModelKeys
+        from kvtier.schemas.worker import WorkerMetadata
+
+        for i in range(2 * len(self.routers)):
+            router = self.routers[i % len(self.routers)]
+            tokens = [60_000 + i] * self.cfg.page_size
+            async with session.post(router + "/v1/route", json={"model": MODEL, "token_ids": tokens,
+                                                                 "request_id": f"warm-{i}"}) as r:
+                decision = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"warm-up route failed ({r.status}): {decision}")
+            sim, rank = self._sim_of(decision["worker_id"])
+            async with session.post(f"{sim['url']}/w/{rank}/generate",
+                                    json={"input_ids": tokens, "now": self.sim_now()}) as r:
+                await r.read()
+            for stage in ("first_token", "complete"):
+                async with session.post(router + "/v1/release", json={"model": MODEL, "request_id": f"warm-{i}",
+                                                                       "stage": stage}) as r:
+                    await r.read()
+        # A worker that announces itself once with a short lease: the processor's expiry
+        # script runs for the first time now rather than when the die phase is measured
+        # (a script's first run costs Redis ~90 KB, once).
+        leases = ModelKeys.for_model(MODEL).leases
+        TierStateWriter(client).announce(WorkerAnnounce(
+            metadata=WorkerMetadata(worker_id=WARM_UP_WORKER, model=MODEL, page_size=self.cfg.page_size),
+            ts=time.time(), lease_ttl_s=0.5, cursor=BridgeCursor(epoch=1, seq=0)))
+        deadline = time.monotonic() + 20
+        while client.zscore(leases, WARM_UP_WORKER) is not None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the processor did not expire the warm-up worker's lease within 20s")
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
+        for sim in self.sims:
+            async with session.post(sim["url"] + "/flush_cache") as r:
+                await r.read()
+        deadline = time.monotonic() + 30
+        while any(sum(c) for c in redis_state(client, MODEL)["per_worker"].values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the warm-up's pages were not cleared within 30s of /flush_cache")
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
+
+    def _error(self, text: str) -> None:
+        self.stats.errors += 1
+        if len(self.stats.error_examples) < 5:
+            self.stats.error_examples.append(text[:300])
+
+    async def _enter_phase(self, name: str, session, now) -> None:
+        cfg = self.cfg
+        if name in ("steady", "refill"):
+            self.mode = "trace"
+        elif name == "evict":
+            self.mode = "small"
+            for sim in self.sims:
+                async with session.post(sim["url"] + "/flush_cache") as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{sim['url']}/flush_cache: {r.status} {await r.text()}")
+        elif name == "die":
+            self.mode = "trace"
+            for sim in self.sims[cfg.sim_workers - cfg.die:]:
+                sim["alive"] = False
+                for pname in (f"bridge_{sim['name']}", f"sim_{sim['name']}"):
+                    self.procs[pname].kill()
+                    self._killed.add(pname)
+                self.dead_workers += self.worker_ids(sim)
+            self.kill_t = now()
+
+
+def run_soak(cfg: SoakConfig, progress=None) -> dict:
+    from kvtier.embedded import NatsServer, RedisServer
+
+    log_dir = tempfile.mkdtemp(prefix="kvtier-soak-")
+    soak = Soak(cfg, log_dir, progress)
+    started = time.monotonic()
+    with NatsServer() as nats_server, RedisServer() as redis_server:
+        soak._redis_pid = redis_server.pid
+        try:
+            asyncio.run(_precreate_decisions(nats_server.url, cfg.stream_max_age_s))
+            soak.start_stack(nats_server.url, redis_server.url)
+            try:
+                import uvloop
+
+                result = uvloop.run(soak.run(nats_server, redis_server.url))
+            except ImportError:
+                result = asyncio.run(soak.run(nats_server, redis_server.url))
+        finally:
+            soak.stop_all()
+    phases = result["phases"]
+    meta = {"rate": cfg.rate, "requests": soak.stats.requests, "errors": soak.stats.errors,
+            "routed_to_dead": soak.stats.routed_to_dead, "routed_to_dead_late": soak.stats.routed_to_dead_late,
+            "load_s": result["load_s"], "kill_t": soak.kill_t, "lease_ttl_s": cfg.lease_ttl_s,
+            "sample_s": cfg.sample_s, "end": result["end"], "stream_max_age_s": cfg.stream_max_age_s,
+            "max_hold_s": cfg.max_hold_s, "max_inflight": cfg.max_inflight,
+            "survivors": [k for k in _rss_names(soak.samples)
+                          if k.startswith(("rss_processor", "rss_router", "rss_bridge"))
+                          and not any(k == f"rss_{p}_mb" for p in soak._killed)]}
+    verdicts = judge(soak.samples, phases, soak.baseline_used_memory, meta, cfg.thresholds)
+    cfg_dict = asdict(cfg)
+    cfg_dict.pop("thresholds")
+    return {
+        "bench": "soak", "minutes": cfg.minutes, "sample_s": cfg.sample_s, "samples": len(soak.samples),
+        "config": cfg_dict, "thresholds": asdict(cfg.thresholds),
+        "phases": {name: {"start_s": round(start, 1), "end_s": round(end, 1), **medians}
+                   for (name, start, end), medians in zip(phases, phase_medians(soak.samples, phases).values())},
+        "baseline_used_memory": soak.baseline_used_memory,
+        "load": {"requests": soak.stats.requests, "errors": soak.stats.errors,
+                 "error_examples": soak.stats.error_examples, "routed_to_dead": soak.stats.routed_to_dead,
+                 "routed_to_dead_late": soak.stats.routed_to_dead_late, "seconds": round(result["load_s"], 1)},
+        "end": result["end"], "verdicts": verdicts, "ok": all(v["ok"] for v in verdicts),
+        "series": soak.samples, "seconds": round(time.monotonic() - started, 1), "logs": log_dir,
+        "_phase_bounds": phases,
+    }
+
+
+async def _precreate_decisions(nats_url: str, max_age_s: float) -> None:
+    """The routers' decision log with the soak's retention (routers keep an existing stream)."""
+    import nats
+
+    from kvtier.streams import ensure_decisions_stream
+
+    nc = await nats.connect(nats_url)
+    try:
+        await ensure_decisions_stream(nc.jetstream(), max_age_s=max_age_s)
+    finally:
+        await nc.close()
+
+
+def run_soak_bench(args) -> int:
+    cfg = SoakConfig(minutes=args.minutes, sample_s=args.sample_s, rate=args.rate, sim_workers=args.sim_workers,
+                     ranks=args.ranks, die=args.die, routers=args.routers, page_size=args.page_size,
+                     device_pages=args.device_pages, host_pages=args.host_pages,
+                     max_prompt_tokens=args.max_prompt_tokens, lease_ttl_s=args.lease_ttl,
+                     stream_max_age_s=args.stream_max_age, warm_up_s=args.warm_up_s,
+                     trace=args.trace or str(SAMPLE_TRACE), seed=args.seed)
+    phases = cfg.phase_bounds()
+    print(f"kvtier bench soak: {cfg.minutes:g} min at {cfg.rate:g} requests/s on {cfg.sim_workers} sim-workers x "
+          f"{cfg.ranks} ranks ({cfg.device_pages} device + {cfg.host_pages} host pages of {cfg.page_size} tokens each), "
+          f"{cfg.routers} routers; phases " + ", ".join(f"{n} {e - s:.0f}s" for n, s, e in phases)
+          + f" after a {cfg.warm_up_s:g}s warm-up; a sample every {cfg.sample_s:g}s", file=sys.stderr, flush=True)
+    report = run_soak(cfg, progress=lambda text: print("  " + text, file=sys.stderr, flush=True))
+    bounds = report.pop("_phase_bounds")
+    medians = {name: {k: v for k, v in m.items() if k not in ("start_s", "end_s")} for name, m in report["phases"].items()}
+    print(format_table(medians, bounds, report["baseline_used_memory"]))
+    print()
+    print(format_verdicts(report["verdicts"]))
+    if report["load"]["error_examples"]:
+        print("errors, e.g.: " + " | ".join(report["load"]["error_examples"]))
+    print(f"{'PASS' if report['ok'] else 'FAIL'}: {sum(v['ok'] for v in report['verdicts'])}/{len(report['verdicts'])} "
+          f"verdicts; {report['samples']} samples; took {report['seconds']:.0f}s; logs in {report['logs']}")
+    if args.plot:
+        if write_plot(report["series"], bounds, report["baseline_used_memory"], args.plot):
+            print(f"plot: {args.plot}")
+    if args.json:
+        print(json.dumps(report, separators=(",", ":")))
+    return 0 if report["ok"] else 1
