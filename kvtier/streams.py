@@ -137,7 +137,7 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
         max_bytes=settings.max_bytes,
         storage=storage,
         num_replicas=settings.replicas,
-        duplicate_window=settings.duplicate_window_s,
+        duplicate_window=_duplicate_window(settings.duplicate_window_s, settings.max_age_s),
         allow_direct=True,
     )
     try:
@@ -183,6 +183,12 @@ def _refuse_unplaceable(exc: nats.js.errors.APIError, replicas: int) -> None:
         raise exc
 
 
+def _duplicate_window(window_s: float, max_age_s: float) -> float:
+    """JetStream refuses a duplicate window longer than the stream's max age: with a short
+    retention, publish retries are deduplicated over that retention instead."""
+    return min(window_s, max_age_s) if max_age_s and max_age_s > 0 else window_s
+
+
 async def _update_retention(js: JetStreamContext, current: StreamConfig, settings: StreamSettings) -> None:
     """Bring an existing events stream's age and size limits to the requested ones. Unlike
     the partition count this is safe to change: it only decides how far back replay reaches
@@ -193,7 +199,8 @@ async def _update_retention(js: JetStreamContext, current: StreamConfig, setting
         return
     log.warning("stream %s: changing retention from max_age=%.0fs max_bytes=%d to max_age=%.0fs max_bytes=%d",
                 EVENTS_STREAM, age, size, want_age, settings.max_bytes)
-    updated = dataclasses.replace(current, max_age=want_age, max_bytes=settings.max_bytes)
+    updated = dataclasses.replace(current, max_age=want_age, max_bytes=settings.max_bytes,
+                                  duplicate_window=_duplicate_window(current.duplicate_window or 0.0, want_age))
     await js.update_stream(updated)
 
 

@@ -99,3 +99,23 @@ async def _stream_exists(url: str) -> bool:
         return False
     finally:
         await nc.close()
+
+
+def test_a_retention_shorter_than_the_duplicate_window_is_accepted(nats_server):
+    """JetStream refuses a duplicate window longer than max age; a short --stream-max-age
+    shortens the window instead of failing at startup (also when it shrinks an existing stream)."""
+    from kvtier.streams import StreamSettings, ensure_streams
+
+    async def check():
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        await ensure_streams(js, StreamSettings(max_age_s=30))
+        first = (await js.stream_info(EVENTS_STREAM)).config
+        await ensure_streams(js, StreamSettings(max_age_s=10, retention_explicit=True))
+        second = (await js.stream_info(EVENTS_STREAM)).config
+        await nc.close()
+        return first, second
+
+    first, second = asyncio.run(check())
+    assert (first.max_age, first.duplicate_window) == (30.0, 30.0)
+    assert (second.max_age, second.duplicate_window) == (10.0, 10.0)

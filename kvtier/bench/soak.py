@@ -397,7 +397,7 @@ def judge(samples: list[dict], phases: list[tuple[str, float, float]], baseline_
 
     # 4. RSS of the long-lived processes: no growth between the steady windows, nor by slope.
     first_start, first_end = w["steady"]
-    last_start, last_end = w["tail"]
+    last_end = w["tail"][1]
     for key in meta.get("survivors") or _rss_names(samples):
         first = med("steady", key)
         last = med("tail", key)
@@ -420,7 +420,7 @@ def judge(samples: list[dict], phases: list[tuple[str, float, float]], baseline_
 
     # 5. Bookings: bounded while loaded, all given back after the drain.
     end = meta.get("end", {})
-    bound = int(math.ceil(meta["rate"] * (meta.get("max_hold_s", 2.0) + 2) * 2)) + meta.get("max_inflight", 48)
+    bound = math.ceil(meta["rate"] * (meta.get("max_hold_s", 2.0) + 2) * 2) + meta.get("max_inflight", 48)
     peak_bookings = max((s.get("bookings", 0) for s in samples), default=0)
     fit = least_squares([(s["t"], s.get("bookings")) for s in samples
                          if first_start <= s["t"] and not (w["evict"][0] - 1 <= s["t"] < w["evict"][0])])
@@ -531,7 +531,7 @@ def format_table(medians: dict[str, dict], phases, baseline_used_memory: int) ->
     for name, start, end in phases:
         m = medians.get(name, {})
 
-        def g(key, fmt="{:.0f}"):
+        def g(key, fmt="{:.0f}", m=m):
             v = m.get(key)
             return fmt.format(v) if v is not None else "-"
 
@@ -1196,9 +1196,8 @@ def run_soak_bench(args) -> int:
         print("errors, e.g.: " + " | ".join(report["load"]["error_examples"]))
     print(f"{'PASS' if report['ok'] else 'FAIL'}: {sum(v['ok'] for v in report['verdicts'])}/{len(report['verdicts'])} "
           f"verdicts; {report['samples']} samples; took {report['seconds']:.0f}s; logs in {report['logs']}")
-    if args.plot:
-        if write_plot(report["series"], bounds, report["baseline_used_memory"], args.plot):
-            print(f"plot: {args.plot}")
+    if args.plot and write_plot(report["series"], bounds, report["baseline_used_memory"], args.plot):
+        print(f"plot: {args.plot}")
     if args.json:
         print(json.dumps(report, separators=(",", ":")))
     return 0 if report["ok"] else 1
