@@ -20,7 +20,7 @@ import redis
 
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
-from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, page_member, split_member
+from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, page_member, split_member, store_key
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
 
@@ -86,6 +86,14 @@ if m[2] ~= '1' and (tonumber(m[3]) or 0) + tonumber(ARGV[3]) < tonumber(ARGV[2])
 end
 return {'held', m[1]}
 """
+#: A model seen for the first time: create its marker ready, unless it has state or a
+#: marker already. KEYS: 1 marker, 2 the model's workers set. ARGV: 1 now ms, 2 new id.
+_ADOPT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'id', ARGV[2], 'created_ms', ARGV[1], 'ready', '1', 'rebuilding', '0',
+           'reason', 'new', 'ready_ms', ARGV[1])
+return 1
+"""
 _STORE, _REMOVE, _CLEAR = "S", "R", "C"
 
 
@@ -119,6 +127,7 @@ class TierStateWriter:
         self._apply = client.register_script(_APPLY_LUA)
         self._expire = client.register_script(_EXPIRE_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
+        self._adopt = client.register_script(_ADOPT_LUA)
         self._async_client = async_client
         self._apply_async = async_client.register_script(_APPLY_LUA) if async_client is not None else None
         self._registered_models: set[str] = set()
@@ -241,6 +250,19 @@ class TierStateWriter:
         """The model's marker fields ({} when missing: the state store lost the model)."""
         raw = self.client.hgetall(ModelKeys(token, self.root).incarnation)
         return {as_text(k): as_text(v) for k, v in raw.items()}
+
+    def store_intact(self) -> bool:
+        return bool(self.client.exists(store_key(self.root)))
+
+    def mark_store_intact(self) -> None:
+        self.client.set(store_key(self.root), _now_ms(), nx=True)
+
+    def adopt_new_model(self, token: str) -> str | None:
+        """The marker id if the model was new (no marker, no state) and is now ready, empty."""
+        keys = ModelKeys(token, self.root)
+        marker_id = secrets.token_hex(8)
+        created = self._adopt(keys=[keys.incarnation, keys.workers], args=[_now_ms(), marker_id])
+        return marker_id if created else None
 
     def claim_rebuild(self, token: str, owner: str, scan_timeout_s: float) -> tuple[str, str]:
         """('created' | 'takeover' | 'held', marker id): only a caller told 'created' or

@@ -548,7 +548,10 @@ class Processor:
             self._models_seen.update(tokens)
             for token in tokens:
                 if not await self.redis_async.exists(ModelKeys(token).incarnation):
-                    await self._recover(token)
+                    await self._recover(token, may_be_new=False)
+            # Every model the stream knows is accounted for: from now on a model without a
+            # marker and without state is a new one (see store_key).
+            await asyncio.to_thread(self.writer.mark_store_intact)
         except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("could not check the models' state before consuming (%s); the probe will", exc)
 
@@ -557,8 +560,17 @@ class Processor:
         if task is None or task.done():
             self._recovering[token] = asyncio.create_task(self._recover(token))
 
-    async def _recover(self, token: str) -> None:
+    async def _recover(self, token: str, may_be_new: bool = True) -> None:
         try:
+            if may_be_new and token not in self._incarnations and await asyncio.to_thread(self.writer.store_intact):
+                # A model this processor never saw ready, in a store that was not lost: if it
+                # has no state either, it is new and starts empty now, without a rebuild (a
+                # later batch than its first would still be caught by the seq check).
+                marker_id = await asyncio.to_thread(self.writer.adopt_new_model, token)
+                if marker_id is not None:
+                    self._incarnations[token] = marker_id
+                    log.info("model %s: first seen; its state starts empty", token)
+                    return
             outcome, marker_id = await asyncio.to_thread(self.writer.claim_rebuild, token, self.owner,
                                                          self.cfg.rebuild_scan_timeout_s)
             if outcome == "held":
@@ -575,6 +587,7 @@ class Processor:
             lost = await self._rewind(starts)
             reason = "lost" if lost else "new"
             await asyncio.to_thread(self.writer.finish_scan, token, any(p.complete for p in plans), reason)
+            await asyncio.to_thread(self.writer.mark_store_intact)
             self._incarnations[token] = marker_id
             self._ahead_since = {k: v for k, v in self._ahead_since.items() if subject_token(k[0]) != token}
             REBUILDS.labels(reason if outcome == "created" else "takeover").inc()
@@ -655,8 +668,11 @@ class Processor:
             except nats.js.errors.NotFoundError:
                 continue  # created later from the stream's first message: nothing to rewind
             floor = info.ack_floor.stream_seq if info.ack_floor else 0
-            if start > floor and not info.num_ack_pending:
-                continue  # nothing acknowledged is needed again and nothing is in flight
+            if start > floor:
+                # Nothing acknowledged is needed again; what is in flight was refused (not
+                # ready) and comes back by itself. Re-creating the consumer here would pull it
+                # from under the processor that owns the partition mid-delivery.
+                continue
             lost = lost or start <= floor
             config = self._consumer_config(partition)
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE

@@ -71,6 +71,14 @@ def models_key(root: str = DEFAULT_ROOT) -> str:
     return f"{root}:models"
 
 
+def store_key(root: str = DEFAULT_ROOT) -> str:
+    """`kvt:store`: set by processors once the store's models are accounted for. While it
+    exists, a model without an incarnation marker and without state is new (it starts
+    empty at once); when it is gone, the store itself was lost and such models are rebuilt
+    from the stream like any other."""
+    return f"{root}:store"
+
+
 @dataclass(frozen=True)
 class ModelKeys:
     model_token: str
