@@ -26,6 +26,8 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
                                   apply.lua refuses batches, routers route on load only
   kvt:{m}:rebuild           hash  worker -> "epoch:seq" each worker must reach before the model
                                   counts as rebuilt (written by the processor that rebuilds)
+  kvt:store                 str   set by processors once every model in the stream is accounted
+                                  for: while present, a model with no marker and no state is new
   kvt:models                set   model tokens (no tag: read once, outside any script)
 
 Load booked by routers (written only by router/*.lua, atomically with each selection):
