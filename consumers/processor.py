@@ -414,11 +414,11 @@ class Processor:
             return
         changed = self.hash_validator.drain_changed()
         if changed:
-            pipe = self.redis_async.pipeline(transaction=False)
-            for model, check in changed:
-                pipe.hset(ModelKeys.for_model(model).hash_check, check.worker_id, encode_hash_check(check))
             try:
-                await pipe.execute()
+                async with self.redis_async.pipeline(transaction=False) as pipe:
+                    for model, check in changed:
+                        pipe.hset(ModelKeys.for_model(model).hash_check, check.worker_id, encode_hash_check(check))
+                    await pipe.execute()
             except redis.RedisError:
                 self.hash_validator.mark_changed(changed)  # written at the next sweep
                 raise

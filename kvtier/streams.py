@@ -34,16 +34,6 @@ log = logging.getLogger("kvtier.nats")
 DEFAULT_PARTITIONS = 8
 
 
-def nats_servers(url: str) -> list[str]:
-    """The servers of a --nats URL: one URL, or several comma-separated (the nodes of a
-    NATS cluster, `nats://h1:4222,nats://h2:4222,nats://h3:4222`); nats-py takes the list
-    and fails over between them (and learns the cluster's other nodes from the server)."""
-    servers = [part.strip() for part in url.split(",") if part.strip()]
-    if not servers:
-        raise ValueError(f"no NATS server in {url!r}")
-    return servers
-
-
 async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, retry_s: float = 1.0,
                        options=None):
     """Connect to NATS, waiting (with a clear warning each time) while it is unreachable:
@@ -71,7 +61,7 @@ async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, r
             # A bounded first attempt (nats-py would otherwise retry inside connect() forever,
             # deaf to SIGTERM); once connected, reconnect without limit.
             seen.clear()
-            nc = await options.connect(nats_servers(url), name=name, max_reconnect_attempts=1,
+            nc = await options.connect(url, name=name, max_reconnect_attempts=1,
                                        reconnect_time_wait=0.5, connect_timeout=2, error_cb=on_error,
                                        disconnected_cb=on_disconnect)
             nc.options["max_reconnect_attempts"] = -1

@@ -230,13 +230,6 @@ class Cluster:
         for engine in self.engines:
             self.start_bridge(engine)
 
-    @staticmethod
-    def kill(process: KvtierSubprocess) -> None:
-        if process.proc.poll() is None:
-            os.kill(process.proc.pid, signal.SIGKILL)
-            process.proc.wait(10)
-        process.log.close()
-
     def check_alive(self) -> None:
         for i, p in enumerate(self.processors):
             if p is not None and i not in self.paused:
@@ -251,7 +244,7 @@ class Cluster:
             try:
                 process.stop()
             except Exception:  # noqa: BLE001 - stop the rest anyway
-                self.kill(process)
+                process.kill()
         for engine in self.engines:
             engine.close()
         if self.client is not None:
@@ -353,7 +346,7 @@ class Injector:
         if kind == "processor_kill":
             i = rng.randrange(len(c.processors))
             fault.target = f"processor{i}"
-            c.kill(c.processors[i])
+            c.processors[i].kill()
             time.sleep(rng.uniform(0.2, 1.5))
             c.start_processor(i)
         elif kind == "processor_pause":
@@ -369,7 +362,7 @@ class Injector:
         elif kind == "bridge_kill":
             engine = rng.choice(c.engines)
             fault.target = f"bridge-{engine.worker}"
-            c.kill(c.bridges[engine.worker])
+            c.bridges[engine.worker].kill()
             time.sleep(rng.uniform(0.2, 2.0))
             c.start_bridge(engine)
         elif kind == "nats_kill":

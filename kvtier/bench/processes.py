@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
+import time
+from typing import Iterable
 
 
 class KvtierSubprocess:
@@ -25,6 +29,18 @@ class KvtierSubprocess:
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
 
+    @property
+    def live_pid(self) -> int | None:
+        """The PID while the process runs, else None."""
+        return self.proc.pid if self.proc.poll() is None else None
+
+    def kill(self) -> None:
+        """A crash: SIGKILL by PID, no chance to clean up."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -34,3 +50,22 @@ class KvtierSubprocess:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+
+
+async def wait_http(session, url: str, procs: Iterable[KvtierSubprocess], timeout: float = 30.0,
+                    interval: float = 0.1) -> None:
+    """Until `url` answers 200 (an aiohttp session), failing at once with its log if one of
+    `procs` exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            p.check()
+        try:
+            async with session.get(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
+        await asyncio.sleep(interval)

@@ -30,7 +30,7 @@ from typing import Callable
 
 import msgspec
 
-from kvtier.bench.processes import KvtierSubprocess
+from kvtier.bench.processes import KvtierSubprocess, wait_http
 
 TRACE_BLOCK_TOKENS = 512
 POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared")
@@ -145,22 +145,6 @@ class PolicyResult:
         }
 
 
-async def _wait_http(session, url: str, procs: list[KvtierSubprocess], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        for p in procs:
-            p.check()
-        try:
-            async with session.get(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
-        await asyncio.sleep(0.1)
-
-
 async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterShape, time_scale: float,
                      nats_url: str, redis_url: str, log_dir: str, seed: int,
                      progress: Callable[[str, int, int], None] | None = None) -> PolicyResult:
@@ -210,9 +194,9 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
         # trace's), so waits are generous rather than failures.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=300, sock_read=300)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as session:
-            await _wait_http(session, sim_url + "/healthz", procs)
+            await wait_http(session, sim_url + "/healthz", procs)
             for url in routers:
-                await _wait_http(session, url + "/healthz", procs)
+                await wait_http(session, url + "/healthz", procs)
             if routers:
                 client = redis_sync.Redis.from_url(redis_url)
                 leases = ModelKeys.for_model(model).leases

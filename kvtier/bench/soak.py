@@ -43,7 +43,6 @@ import math
 import os
 import pathlib
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -51,7 +50,8 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from kvtier.bench.processes import KvtierSubprocess
+from kvtier.bench.processes import KvtierSubprocess, wait_http
+from kvtier.bench.replay import TraceRequest, load_trace
 
 SAMPLE_TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake_trace_sample.jsonl"
 MODEL = "soak"
@@ -157,22 +157,16 @@ def _block_tokens(hash_id: int, salt: int) -> array.array:
     return array.array("H", hashlib.shake_128(seed).digest(2 * TRACE_BLOCK_TOKENS))
 
 
-def trace_prompt(request: dict, salt: int, max_tokens: int) -> list[int]:
-    length = min(request["input_length"], max_tokens)
+def trace_prompt(request: TraceRequest, salt: int, max_tokens: int) -> list[int]:
+    length = min(request.input_length, max_tokens)
     tokens = array.array("H")
-    for hash_id in request["hash_ids"]:
+    for hash_id in request.hash_ids:
         if len(tokens) >= length:
             break
         tokens.extend(_block_tokens(hash_id, salt))
     return tokens[:length].tolist()
 
 
-def load_trace(path: str) -> list[dict]:
-    with open(path) as f:
-        requests = [json.loads(line) for line in f if line.strip()]
-    if not requests:
-        raise ValueError(f"{path}: no requests")
-    return requests
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -624,29 +618,6 @@ def write_plot(samples: list[dict], phases, baseline_used_memory: int, path: str
 
 
 # --- the run ---------------------------------------------------------------------------------
-class _Proc:
-    """A KvtierSubprocess that can also be killed (a crash) by PID."""
-
-    def __init__(self, args, log_dir, name):
-        self.sub = KvtierSubprocess(args, log_dir, name)
-        self.name = name
-
-    @property
-    def pid(self) -> int | None:
-        return self.sub.proc.pid if self.sub.proc.poll() is None else None
-
-    def check(self) -> None:
-        self.sub.check()
-
-    def kill(self) -> None:
-        if self.sub.proc.poll() is None:
-            os.kill(self.sub.proc.pid, signal.SIGKILL)
-            self.sub.proc.wait(10)
-
-    def stop(self) -> None:
-        self.sub.stop()
-
-
 @dataclass
 class _Stats:
     requests: int = 0
@@ -662,7 +633,7 @@ class Soak:
         self.cfg = cfg
         self.log_dir = log_dir
         self.progress = progress or (lambda text: None)
-        self.procs: dict[str, _Proc] = {}
+        self.procs: dict[str, KvtierSubprocess] = {}
         self.sims: list[dict] = []  # {"name", "url", "alive", "worker_prefix"}
         self.routers: list[str] = []
         self.samples: list[dict] = []
@@ -677,8 +648,8 @@ class Soak:
         self._redis_pid: int | None = None
 
     # -- processes --
-    def _start(self, name: str, args: list[str]) -> _Proc:
-        proc = _Proc(args, self.log_dir, name)
+    def _start(self, name: str, args: list[str]) -> KvtierSubprocess:
+        proc = KvtierSubprocess(args, self.log_dir, name)
         self.procs[name] = proc
         return proc
 
@@ -740,7 +711,7 @@ class Soak:
                decisions: int, interval: float) -> dict:
         state = redis_state(client, MODEL)
         s: dict = {"t": round(t, 2), "phase": phase}
-        pids = {name: proc.pid for name, proc in self.procs.items()} | servers
+        pids = {name: proc.live_pid for name, proc in self.procs.items()} | servers
         for name, pid in pids.items():
             s[f"rss_{name}_mb"] = rss_mb(pid)
         for name, pid in pids.items():  # cores used since the previous sample
@@ -825,7 +796,7 @@ class Soak:
         else:
             request = self.trace[index % len(self.trace)]
             tokens = trace_prompt(request, index // len(self.trace), cfg.max_prompt_tokens)
-            out_len = request["output_length"]
+            out_len = request.output_length
         router = self.routers[index % len(self.routers)]
         request_id = f"soak-{index}"
         sim, booked = None, False
@@ -920,23 +891,11 @@ class Soak:
         return asyncio.get_running_loop().time() - self.clock0
 
     async def _wait_up(self, client) -> None:
-        import aiohttp
-
         total_ranks = self.cfg.sim_workers * self.cfg.ranks
         deadline = time.monotonic() + 90
         for url in [s["url"] + "/healthz" for s in self.sims] + [r + "/healthz" for r in self.routers]:
-            while True:
-                for proc in self.procs.values():
-                    proc.check()
-                try:
-                    async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                        if r.status == 200:
-                            break
-                except Exception:  # noqa: BLE001 - not up yet
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} did not answer within 90s")
-                await asyncio.sleep(0.2)
+            await wait_http(self.session, url, self.procs.values(), timeout=max(0.0, deadline - time.monotonic()),
+                            interval=0.2)
         while redis_state(client, MODEL)["live_workers"] < total_ranks:
             for proc in self.procs.values():
                 proc.check()
