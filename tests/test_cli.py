@@ -119,3 +119,11 @@ def test_a_retention_shorter_than_the_duplicate_window_is_accepted(nats_server):
     first, second = asyncio.run(check())
     assert (first.max_age, first.duplicate_window) == (30.0, 30.0)
     assert (second.max_age, second.duplicate_window) == (10.0, 10.0)
+
+
+def test_an_empty_nats_url_is_a_settings_error_not_a_retry_loop():
+    from kvtier.nats_options import NatsOptionsError
+    from kvtier.streams import connect_nats
+
+    with pytest.raises(NatsOptionsError, match="no NATS server"):
+        asyncio.run(asyncio.wait_for(connect_nats(" , ", "kvtier-test"), 10))
