@@ -109,16 +109,6 @@ def _worker_id(text: str) -> str:
     return text
 
 
-def _default_trace() -> str:
-    """The full public trace where this checkout sits beside it, else the sample shipped here."""
-    import pathlib
-
-    shared = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
-    if shared.exists():
-        return str(shared)
-    return str(pathlib.Path(__file__).resolve().parent / "data" / "mooncake_trace_sample.jsonl")
-
-
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):
@@ -703,7 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = bench_sub.add_parser("replay", help="Replay a Mooncake-format trace on a simulated HiCache cluster, "
                                              "once per routing policy, through the real pipeline and router.",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    rp.add_argument("--trace", default=_default_trace(), help="Trace file (Mooncake FAST'25 JSONL format).")
+    rp.add_argument("--trace", default=None,
+                    help="Trace file (Mooncake FAST'25 JSONL format, .gz too); default: the whole public conversation "
+                         "trace shipped with kvtier (kvtier/data).")
     rp.add_argument("--requests", type=_positive_int, default=None, help="Only the first N requests.")
     rp.add_argument("--workers", type=_positive_int, default=8, help="Simulated workers.")
     rp.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")

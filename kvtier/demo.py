@@ -18,6 +18,7 @@ import time
 
 from kvtier.bench.replay import (
     POLICIES,
+    SAMPLE_TRACE,
     ClusterShape,
     format_table,
     infinite_cache_bound,
@@ -27,7 +28,6 @@ from kvtier.bench.replay import (
     write_plot,
 )
 
-SAMPLE = pathlib.Path(__file__).resolve().parent / "data" / "mooncake_trace_sample.jsonl"
 MIN_FREE_MEMORY = 2 << 30
 
 
@@ -51,7 +51,7 @@ def run_demo(args) -> int:
     cores = os.cpu_count() or 1
     if cores < 2:
         print("kvtier demo: one CPU core: it will run, but expect about twice the ~2 minutes", file=sys.stderr)
-    requests = load_trace(args.trace or str(SAMPLE), args.requests)
+    requests = load_trace(args.trace or str(SAMPLE_TRACE), args.requests)
     shape = ClusterShape(workers=args.workers, page_size=args.page_size, device_pages=args.device_pages,
                          host_pages=args.host_pages)
     span = (requests[-1].timestamp - requests[0].timestamp) / 1000
@@ -68,7 +68,7 @@ def run_demo(args) -> int:
     print(format_table(summary, bound))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"trace": str(args.trace or SAMPLE), "requests": len(requests), "bound_tokens": bound,
+    report = {"trace": str(args.trace or SAMPLE_TRACE), "requests": len(requests), "bound_tokens": bound,
               "cluster": shape.__dict__, "time_scale": args.time_scale, "policies": summary,
               "seconds": round(time.monotonic() - started, 1), "logs": log_dir}
     (out / "report.json").write_text(json.dumps(report, indent=2))

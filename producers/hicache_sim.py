@@ -172,7 +172,7 @@ class HiCacheSim:
                 node = child
 
         # Device placement for everything past the device prefix, as far as room allows.
-        self._make_device_room(n - d, protected)
+        ready = self._wait_for_device_room(n - d, protected, now)
         avail = min(n - d, cfg.device_pages - self._device_used)
         placed: list[_Node] = []
         parent = path[d - 1] if d else self._root
@@ -199,7 +199,7 @@ class HiCacheSim:
         duration = (host_hit * cfg.load_back_s_per_page
                     + l3_hit * (cfg.l3_s_per_page + cfg.load_back_s_per_page)
                     + recomputed_tokens * cfg.prefill_s_per_token)
-        start = max(now, self._busy_until)
+        start = max(now, ready, self._busy_until)
         self._busy_until = start + duration
         return ServeResult(pages=n, device_hit_pages=d, host_hit_pages=host_hit, l3_hit_pages=l3_hit,
                            recomputed_pages=n - reused, recomputed_tokens=recomputed_tokens,
@@ -290,6 +290,19 @@ class HiCacheSim:
         for v in reversed(victims):  # ancestors before descendants: one drop takes the subtree
             if v.alive and v.host == _NONE:
                 self._drop_subtree(v)
+
+    def _wait_for_device_room(self, want: int, protected: set[_Node], now: float) -> float:
+        """Free `want` device pages. Pages whose host copy is in flight stay locked until it
+        lands, so when they are what stands in the way the request waits for those copies (as
+        SGLang's scheduler keeps a request queued until its memory can be allocated) rather than
+        being served short. Returns when the room was there: `now`, or the landing waited for."""
+        ready = now
+        self._make_device_room(want, protected)
+        while self.config.device_pages - self._device_used < want and self._dma:
+            ready = max(ready, self._dma[0][0])
+            self.advance(ready)
+            self._make_device_room(want, protected)
+        return ready
 
     def _drop_subtree(self, top: _Node) -> None:
         """`top` has left device with no host copy: it and everything below it leave the tree."""

@@ -9,7 +9,7 @@
 -- live worker (lease expiry > now):
 --   worker, status (0 candidate | 1 stale | 2 no pages given at its page size),
 --   page size, device, host, disk, queued prefill pages, active decode pages
--- The walk is DESIGN.md's: the device prefix, then on host while the page is on host, then
+-- The walk is docs/DESIGN.md's: the device prefix, then on host while the page is on host, then
 -- on disk. Members of a worker's pages set are tier digit .. page key, so one SMISMEMBER
 -- can ask several tiers: a cold worker costs one call of three members.
 local base, first_chunk = ARGV[1], tonumber(ARGV[3])

@@ -1,4 +1,4 @@
-"""The scoring formula of DESIGN.md (the Dynamo HiCache guide's), as pure functions: no I/O,
+"""The scoring formula of docs/DESIGN.md (the Dynamo HiCache guide's), as pure functions: no I/O,
 no clock, no hidden randomness. The caller supplies the random draw `u` in [0, 1), so a
 decision can be reproduced exactly from its inputs (the decision log records `u`).
 

@@ -35,7 +35,7 @@ class SharedPoolUnavailable(Exception):
 @dataclass(frozen=True)
 class SharedPages:
     """Which of the request's pages are in the pool under one layout, with
-    `beyond(n)` = pages at positions >= n present (DESIGN.md's hits_beyond)."""
+    `beyond(n)` = pages at positions >= n present (docs/DESIGN.md's hits_beyond)."""
 
     present: tuple[bool, ...]
     _suffix: tuple[int, ...]

@@ -19,7 +19,7 @@ DECISION_SCHEMA_VERSION = 1
 
 
 class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
-    """The scoring formula's knobs (DESIGN.md). Defaults are the Dynamo HiCache guide's."""
+    """The scoring formula's knobs (docs/DESIGN.md). Defaults are the Dynamo HiCache guide's."""
 
     overlap_score_credit: float = 1.0
     host_cache_hit_weight: float = 0.75
@@ -56,7 +56,7 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's overlap with a request, in pages, by the walk of DESIGN.md: `device` is the
+    """A worker's overlap with a request, in pages, by the walk of docs/DESIGN.md: `device` is the
     device prefix, `host` continues it on host, `disk` continues that on disk;
     `shared_beyond` counts shared-pool pages at positions >= `device`."""
 

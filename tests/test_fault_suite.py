@@ -42,7 +42,7 @@ def _marker(client) -> dict:
 
 
 def _walk(pages: dict, tokens: list[int]) -> dict:
-    """DESIGN.md's walk over a worker's pages: device prefix, then host, then disk."""
+    """docs/DESIGN.md's walk over a worker's pages: device prefix, then host, then disk."""
     counts = {"device": 0, "host": 0, "disk": 0}
     hashes = sglang_block_hashes(tokens, 4)
     i = 0

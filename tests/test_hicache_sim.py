@@ -252,14 +252,28 @@ def test_selective_host_pressure():
 
 def test_pages_with_a_copy_in_flight_are_not_evicted():
     # The copy reads the device pages, so they stay until it lands; a request that finds the
-    # device full of such pages is computed but not cached.
-    h = make(WT, device_pages=2, host_pages=8)
+    # device full of such pages waits in the queue for the copy (as SGLang's scheduler waits for
+    # memory), then evicts them and is cached in full: never served short, whatever the timing.
+    h = make(WT, device_pages=2, host_pages=8, prefill_s_per_token=0.001)
     h.serve(A, 0.0)
-    result, events = h.serve(B, 0.001)
-    assert events == [] and (result.recomputed_pages, result.recomputed_tokens) == (2, 10)
-    assert b0 not in h.sim.tiers()
-    _, events = h.serve(B, 0.002)
+    result, events = h.serve(B, 0.0005)  # A's copy lands at 0.002
     assert events == [("S", HOST, [a0, a1]), ("R", GPU, [a1, a0]), ("S", GPU, [b0, b1])]
+    assert (result.recomputed_pages, result.recomputed_tokens) == (2, 10)
+    # it waited behind A's prefill (until 0.010), which outlasts the copy
+    assert result.queue_s == pytest.approx(0.0095) and result.ttft_s == pytest.approx(0.0195)
+    assert h.sim.tiers()[a0] == {Tier.HOST} and h.sim.tiers()[b0] == {Tier.DEVICE}
+
+
+def test_waiting_for_a_copy_delays_the_request():
+    # an idle engine: the only wait is the copy's
+    h = make(WT, device_pages=2, host_pages=8, prefill_s_per_token=0.0)
+    h.serve(A, 0.0)
+    result, _ = h.serve(B, 0.0005)
+    assert result.queue_s == pytest.approx(0.0015) and result.recomputed_pages == 2
+    # the same arrival after the copy landed does not wait
+    h2 = make(WT, device_pages=2, host_pages=8, prefill_s_per_token=0.0)
+    h2.serve(A, 0.0)
+    assert h2.serve(B, 0.003)[0].queue_s == 0.0
 
 
 @pytest.mark.parametrize("policy", WRITE_POLICIES)

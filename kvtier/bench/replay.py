@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import gzip
 import hashlib
 import json
+import pathlib
 import random
 import statistics
 import sys
@@ -45,10 +47,25 @@ class TraceRequest(msgspec.Struct, frozen=True):
     hash_ids: list[int]
 
 
-def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
+#: Traces shipped inside the package (kvtier/data/README.md says where they come from).
+DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
+#: The whole public Mooncake conversation trace (12,031 requests), gzipped.
+CONVERSATION_TRACE = DATA_DIR / "mooncake_conversation_trace.jsonl.gz"
+#: Its first 1,000 requests.
+SAMPLE_TRACE = DATA_DIR / "mooncake_trace_sample.jsonl"
+
+
+def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRequest]:
+    """A Mooncake-format JSONL trace (plain, or gzipped when the name ends in .gz)."""
     decoder = msgspec.json.Decoder(TraceRequest)
     requests = []
-    with open(path, "rb") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        f = opener(path, "rb")
+    except FileNotFoundError:
+        raise ValueError(f"trace file {path} not found (traces shipped with kvtier: {CONVERSATION_TRACE.name} "
+                         f"and {SAMPLE_TRACE.name} in {DATA_DIR})") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -395,7 +412,8 @@ def progress_bar(stream=sys.stderr):
 
 
 def run_replay_bench(args) -> int:
-    requests = load_trace(args.trace, args.requests)
+    trace = args.trace or str(CONVERSATION_TRACE)
+    requests = load_trace(trace, args.requests)
     shape = ClusterShape(workers=args.workers, page_size=args.page_size, device_pages=args.device_pages,
                          host_pages=args.host_pages, write_policy=args.write_policy, l3=not args.no_l3,
                          l3_pages=args.l3_pages)
@@ -411,7 +429,7 @@ def run_replay_bench(args) -> int:
     results, log_dir = run_stack_and_replay(requests, shape, args.time_scale, policies, args.seed, progress_bar())
     summary = {name: r.summary(bound) for name, r in results.items()}
     print(format_table(summary, bound))
-    report = {"trace": args.trace, "requests": len(requests), "bound_tokens": bound,
+    report = {"trace": trace, "requests": len(requests), "bound_tokens": bound,
               "cluster": shape.__dict__, "time_scale": args.time_scale, "policies": summary}
     if args.json:
         print(json.dumps(report))

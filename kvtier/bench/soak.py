@@ -41,7 +41,6 @@ import hashlib
 import json
 import math
 import os
-import pathlib
 import random
 import statistics
 import sys
@@ -51,9 +50,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from kvtier.bench.processes import KvtierSubprocess, wait_http
-from kvtier.bench.replay import TraceRequest, load_trace
+from kvtier.bench.replay import SAMPLE_TRACE, TraceRequest, load_trace
 
-SAMPLE_TRACE = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake_trace_sample.jsonl"
 MODEL = "soak"
 TRACE_BLOCK_TOKENS = 512
 #: (phase, share of the run). The die phase must outlast a lease (checked in SoakConfig).

@@ -1,5 +1,5 @@
 """The router against a real Mooncake master: pages written with SGLang HiCache's key layout
-through MooncakeDistributedStore are credited as `shared_beyond` exactly as DESIGN.md's
+through MooncakeDistributedStore are credited as `shared_beyond` exactly as docs/DESIGN.md's
 formula says; a page counts only if all its keys exist; a dead master or a page-size
 mismatch degrades the decision instead of failing it."""
 
