@@ -1,7 +1,7 @@
 -- Apply one kvtier EventBatch to a worker's tier state, atomically, in seq order.
 -- KEYS: 1 state hash, 2 workers set, 3 the worker's pages set, 4 the model's stale-workers set,
 --       5 the model's incarnation marker (refused, status 4, unless its 'ready' is '1')
--- ARGV: 1 (reserved), 2 worker, 3 epoch, 4 seq, 5 mode ("next"|"rebase"),
+-- ARGV: 1 source seq (the engine seq of the batch's last engine batch; -1 unknown), 2 worker, 3 epoch, 4 seq, 5 mode ("next"|"rebase"),
 --       6 epoch reason ("" when none), 7 now (unix ms), 8 source ts (unix s),
 --       9.. ops as triples: kind ("S" store | "R" remove | "C" clear), tier bit, page-key blob
 --       (16 hex digits per page, concatenated).
@@ -92,7 +92,7 @@ if stored_bits ~= 0 then
   local both = bit.bor(seen, stored_bits)
   if both ~= seen then redis.call('HSET', state, 'tiers_seen', both) end
 end
-redis.call('HSET', state, 'epoch', epoch, 'seq', seq, 'applied_ms', now, 'source_ts', ARGV[8])
+redis.call('HSET', state, 'epoch', epoch, 'seq', seq, 'applied_ms', now, 'source_ts', ARGV[8], 'source_seq', ARGV[1])
 redis.call('PERSIST', state)
 redis.call('SADD', workers, worker)
 return {0, epoch, seq, transitions, stale}

@@ -160,7 +160,7 @@ class TierStateWriter:
         return (
             [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers,
              keys.incarnation],
-            ["", batch.worker_id, batch.epoch, batch.seq, mode.value,
+            [batch.source_seq_last, batch.worker_id, batch.epoch, batch.seq, mode.value,
              batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
              *_script_ops(batch)],
         )

@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 
+from kvtier.producers.cost_model import add_cost_model_arguments, cost_model_from_args
 from kvtier.streams import DEFAULT_PARTITIONS, StreamSettings
 
 
@@ -89,6 +90,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value
 
 
@@ -519,8 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nats", default="", help="NATS URL for the decision log (kvtier.decisions.<model>); '' = off.")
     r.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds to.")
     r.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one, printed at start).")
-    r.add_argument("--router-mode", choices=["kv", "load"], default="kv",
-                   help="kv: tier-aware scoring; load: booked load only (cache weights 0).")
+    r.add_argument("--router-mode", choices=["kv", "load", "round-robin", "random"], default="kv",
+                   help="kv: tier-aware scoring; load: booked load only (cache weights 0); round-robin / random: "
+                        "baselines for A/B tests (the turn is shared by every replica; decisions still report "
+                        "the scores and book load).")
+    r.add_argument("--seed", type=int, default=None,
+                   help="Seed the random draws that break ties (reproducible decisions, e.g. in replays).")
     r.add_argument("--shared-cache-type", choices=["none", "hicache"], default="none",
                    help="hicache: credit pages workers can fetch from the shared Mooncake pool.")
     r.add_argument("--mooncake-master", default="",
@@ -536,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Weight of the (adjusted) prefill pages against decode pages.")
     r.add_argument("--temperature", type=_non_negative_float, default=0.0,
                    help="0: best score, ties at random; >0: softmax sampling over normalised scores.")
+    r.add_argument("--predicted-pages", choices=["on", "off"], default="on",
+                   help="Book each request's pages as predicted device pages on its worker until it completes, "
+                        "visible to every replica (pages its events may not show yet).")
+    r.add_argument("--predicted-page-weight", type=_non_negative_float, default=1.0,
+                   help="Credit per predicted page (like --overlap-score-credit for device pages).")
     r.add_argument("--page-size", type=_positive_int, default=None,
                    help="Expected worker page size; workers announcing another get no shared-pool credit "
                         "(default: trust each worker's announced size).")
@@ -580,8 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="write_through", help="HiCache write policy (SGLang's --hicache-write-policy).")
     w.add_argument("--dma-delay-ms", type=_non_negative_float, default=2.0,
                    help="Simulated device->host copy time before the host store event.")
-    w.add_argument("--prefill-us-per-token", type=_non_negative_float, default=25.0,
-                   help="Cost model: prefill compute per recomputed token.")
+    add_cost_model_arguments(w)
     w.add_argument("--l3", action="store_true", help="Write pages to a shared L3 pool and prefetch from it.")
     w.add_argument("--l3-pages", type=_positive_int, default=None, help="L3 pool capacity in pages (default: unbounded).")
     w.add_argument("--mooncake-rpc", default="",
@@ -630,19 +646,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe_parsers(sub)
     _add_analytics_parsers(sub)
 
-    d = sub.add_parser("demo", help="Replay a sample of the Mooncake conversation trace on a simulated HiCache "
-                                    "cluster, once per routing policy, and compare them (embedded servers).",
+    d = sub.add_parser("demo", help="Routing policies side by side on a simulated HiCache cluster, beside the "
+                                    "oracle and the bounds, and a sweep of where tier awareness pays (embedded "
+                                    "servers; kvtier/demo.py).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--requests", type=_positive_int, default=1000, help="Requests of the sample trace to replay.")
-    d.add_argument("--trace", default="", help="Another trace in the same format (default: the shipped sample).")
-    d.add_argument("--workers", type=_positive_int, default=4, help="Simulated workers.")
-    d.add_argument("--page-size", type=_positive_int, default=128, help="Tokens per KV page.")
-    d.add_argument("--device-pages", type=_positive_int, default=512, help="GPU pool per worker, in pages.")
-    d.add_argument("--host-pages", type=_positive_int, default=4096, help="Host pool per worker, in pages.")
-    d.add_argument("--time-scale", type=_positive_float, default=20.0, help="Trace seconds per wall second.")
+    _add_cluster_arguments(d)
+    d.set_defaults(trace="synthetic:1", requests=600, workers=4, device_pages=2048, host_pages=4096)
+    d.add_argument("--no-sweep", action="store_true", help="Skip the host-pool / L3 sweep.")
     d.add_argument("--out", default="kvtier-demo", help="Folder for report.json and policies.png.")
     d.add_argument("--seed", type=int, default=1)
     _add_common(d)
+
+    t = sub.add_parser("tune", help="Search the scoring weights on a lockstep trace replay; print the best settings "
+                                    "for TTFT p50, TTFT p99 and recomputed tokens beside the defaults and the oracle.",
+                       description="Each trial replays kvtier's router (in process, lockstep) on the trace "
+                                   "(kvtier/bench/tune.py).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_cluster_arguments(t)
+    t.set_defaults(requests=2000)
+    t.add_argument("--budget", type=_positive_int, default=24, help="Settings to try (the defaults included).")
+    t.add_argument("--holdout", type=float, default=0.3,
+                   help="Share of the trace (its end) kept out of the search, to check the best settings on.")
+    t.add_argument("--visibility-lag-ms", type=_non_negative_float, default=5.0,
+                   help="Trace milliseconds between an engine event and routers seeing it.")
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    _add_common(t)
 
     bench = sub.add_parser("bench", help="Benchmarks (results go to BENCHMARKS.md).")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_EnvDefaults)
@@ -691,32 +719,62 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(route)
     rp = bench_sub.add_parser("replay", help="Replay a Mooncake-format trace on a simulated HiCache cluster, "
-                                             "once per routing policy, through the real pipeline and router.",
+                                             "once per routing policy, beside the oracle and the bounds.",
+                              description="Lockstep by default: the trace clock moves only when the pipeline has "
+                                          "caught up, so the same trace and seed give the same figures on any "
+                                          "machine (kvtier/bench/replay.py).",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    rp.add_argument("--trace", default=None,
-                    help="Trace file (Mooncake FAST'25 JSONL format, .gz too); default: the whole public conversation "
-                         "trace shipped with kvtier (kvtier/data).")
-    rp.add_argument("--requests", type=_positive_int, default=None, help="Only the first N requests.")
-    rp.add_argument("--workers", type=_positive_int, default=8, help="Simulated workers.")
-    rp.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")
-    rp.add_argument("--device-pages", type=_positive_int, default=2048, help="GPU pool per worker, in pages.")
-    rp.add_argument("--host-pages", type=_positive_int, default=16384, help="Host pool per worker, in pages.")
-    rp.add_argument("--l3-pages", type=_positive_int, default=None,
-                    help="Shared L3 pool, in pages (default: the workers' host pools together).")
-    rp.add_argument("--no-l3", action="store_true", help="No shared L3 pool in the simulated cluster.")
-    rp.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
-                    default="write_through")
-    rp.add_argument("--time-scale", type=_positive_float, default=30.0,
-                    help="Trace seconds per wall second (30: an hour of trace in two minutes).")
-    rp.add_argument("--policies", default="", help="Comma-separated subset of: " + ", ".join(
-        ["random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared"]))
+    _add_cluster_arguments(rp)
+    rp.add_argument("--policies", default="", help="Comma-separated subset of: random, round_robin, least_load, "
+                                                   "device_only, tier_aware, tier_aware_shared, oracle.")
+    rp.add_argument("--via", choices=["pipeline", "model"], default="pipeline",
+                    help="kvtier's policies through the real pipeline (bridge, JetStream, processor, Redis, two "
+                         "routers) or through the router's decision computed in process on the same information.")
+    rp.add_argument("--visibility-lag-ms", type=_non_negative_float, default=5.0,
+                    help="Trace milliseconds between an engine event and routers seeing it (0: the ideal).")
+    rp.add_argument("--predicted-pages", choices=["on", "off"], default="on",
+                    help="kvtier policies book predicted pages (the routers' --predicted-pages).")
     rp.add_argument("--seed", type=int, default=1)
+    rp.add_argument("--seeds", default="", help="Comma-separated seeds: every figure is the median over them.")
+    rp.add_argument("--plot", default="", metavar="PNG", help="Draw the policies beside the oracle and bounds.")
+    rp.add_argument("--realtime", action="store_true",
+                    help="Replay on the wall clock through the live pipeline (measures the machine, not the policy).")
+    rp.add_argument("--time-scale", type=_positive_float, default=30.0,
+                    help="With --realtime: trace seconds per wall second.")
     rp.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     _add_common(rp)
+    st = bench_sub.add_parser("synth-trace", help="Write the synthetic high-reuse trace (Mooncake format).",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    st.add_argument("--out", default="-", help="Output file ('-': standard output); its statistics go to stderr.")
+    st.add_argument("--requests", type=_positive_int, default=3993)
+    st.add_argument("--duration", type=_positive_float, default=1022.0, help="Trace span in seconds.")
+    st.add_argument("--seed", type=int, default=1)
+    _add_common(st)
     _add_soak_parser(bench_sub)
     _add_faults_parser(bench_sub)
     _add_fuzz_parser(bench_sub)
     return parser
+
+
+def _add_cluster_arguments(p) -> None:
+    """The trace and the simulated cluster of `kvtier bench replay` and `kvtier tune`."""
+    p.add_argument("--trace", default=None,
+                   help="Trace file (Mooncake FAST'25 JSONL format, .gz too); default: the whole public conversation "
+                        "trace shipped with kvtier (kvtier/data).")
+    p.add_argument("--requests", type=_positive_int, default=None, help="Only the first N requests.")
+    p.add_argument("--workers", type=_positive_int, default=8, help="Simulated workers.")
+    p.add_argument("--page-size", type=_positive_int, default=64, help="Tokens per KV page.")
+    p.add_argument("--device-pages", type=_positive_int, default=2048, help="GPU pool per worker, in pages.")
+    p.add_argument("--host-pages", type=_non_negative_int, default=16384,
+                   help="Host pool per worker, in pages (0: HiCache off).")
+    p.add_argument("--l3-pages", type=_positive_int, default=None,
+                   help="Shared L3 pool, in pages (default: the workers' host pools together).")
+    p.add_argument("--no-l3", action="store_true", help="No shared L3 pool in the simulated cluster.")
+    p.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                   default="write_through")
+    p.add_argument("--dma-delay-ms", type=_non_negative_float, default=2.0,
+                   help="Simulated device->host copy time before the host store event.")
+    add_cost_model_arguments(p)
 
 
 def _add_fuzz_parser(bench_sub) -> None:
@@ -881,10 +939,13 @@ async def _run_router(args, stop) -> None:
         router_mode=args.router_mode, shared_cache_type=args.shared_cache_type, mooncake_master=args.mooncake_master,
         shared_cache_timeout_s=args.shared_cache_timeout_ms / 1000, page_size=args.page_size,
         booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=args.router_id,
+        seed=args.seed,
         weights=ScoringWeights(
             overlap_score_credit=args.overlap_score_credit, host_cache_hit_weight=args.host_cache_hit_weight,
             disk_cache_hit_weight=args.disk_cache_hit_weight, shared_cache_multiplier=args.shared_cache_multiplier,
-            prefill_load_scale=args.prefill_load_scale, temperature=args.temperature),
+            prefill_load_scale=args.prefill_load_scale, temperature=args.temperature,
+            predicted_page_weight=args.predicted_page_weight),
+        predicted_pages=args.predicted_pages == "on",
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
                                 protect_metrics=args.protect_metrics),
@@ -949,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
             host_pages = args.host_pages if args.host_pages is not None else int(args.device_pages * args.hicache_ratio)
             sim = SimConfig(page_size=args.page_size, device_pages=args.device_pages, host_pages=host_pages,
                             write_policy=args.write_policy, dma_delay_s=args.dma_delay_ms / 1000,
-                            prefill_s_per_token=args.prefill_us_per_token / 1e6, l3=args.l3)
+                            cost=cost_model_from_args(args), l3=args.l3)
             if args.mooncake_rpc and not (args.l3 and args.mooncake_metadata):
                 raise SystemExit("kvtier sim-worker: --mooncake-rpc needs --l3 and --mooncake-metadata")
             config = SimWorkerConfig(ranks=args.ranks, port=args.port, replay_port=args.replay_port,
@@ -996,6 +1057,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.demo import run_demo
 
             return run_demo(args)
+        elif args.command == "tune":
+            from kvtier.bench.tune import run_tune
+
+            return run_tune(args)
         elif args.command == "bench" and args.bench == "replay":
             from kvtier.bench.replay import run_replay_bench
 
@@ -1016,6 +1081,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.bench.faults import run_fault_bench
 
             return run_fault_bench(args)
+        elif args.command == "bench" and args.bench == "synth-trace":
+            from kvtier.bench.synth_trace import run_synth_trace
+
+            return run_synth_trace(args)
         elif args.command == "bench" and args.bench == "fuzz":
             from kvtier.bench.fuzz import run_fuzz_bench
 

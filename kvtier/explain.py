@@ -44,11 +44,12 @@ from kvtier.router import scoring
 from kvtier.router.core import DEGRADED_ONLY_STALE, DEGRADED_STATE_STORE
 from kvtier.router.hashing import RequestPages
 from kvtier.router.state import OverlapReader, WorkerStatus
+from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.hashes import PageDigest, page_keys_blob
 from kvtier.schemas.routing import RouteDecision, TierOverlap
 from kvtier.schemas.subjects import DECISIONS_PREFIX, DECISIONS_STREAM, decisions_subject
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "predicted")
 _EPS = 1e-9
 
 
@@ -135,6 +136,24 @@ def _pages_by_size(decision: RouteDecision) -> dict[int, RequestPages]:
             for size, hashes in decision.page_hashes.items()}
 
 
+async def seed_recorded_predictions(client, root: str, decision: RouteDecision) -> None:
+    """Predicted pages come from bookings, which no stream holds: take them as recorded. A
+    candidate that saw `device + predicted` pages in its first stage had every one of them on
+    device or predicted, so the replayed state gets that prefix as predicted (pages the
+    replayed state has on device still count as device, exactly as the walk counts them)."""
+    pages = _pages_by_size(decision)
+    keys = ModelKeys.for_model(decision.model, root)
+    pipe = client.pipeline(transaction=False)
+    for c in decision.candidates:
+        if c.overlap.predicted and c.page_size in pages:
+            blob = pages[c.page_size].keys_blob
+            prefix = min(c.overlap.device + c.overlap.predicted, len(blob) // 16)
+            pipe.hset(f"{keys.base}:w:{c.worker_id}:predicted",
+                      mapping={blob[i * 16:(i + 1) * 16]: 1 for i in range(prefix)})
+    if len(pipe):
+        await pipe.execute()
+
+
 def _status_name(status: WorkerStatus | None) -> str:
     return {None: "not-live", WorkerStatus.CANDIDATE: "live", WorkerStatus.STALE: "stale",
             WorkerStatus.UNHASHED: "unhashed"}[status]
@@ -161,7 +180,7 @@ def explain(decision: RouteDecision, views) -> Explanation:
             replayed = TierOverlap(shared_beyond=c.overlap.shared_beyond)  # the router zeroes stale overlaps
         else:
             replayed = TierOverlap(device=view.overlap.device, host=view.overlap.host, disk=view.overlap.disk,
-                                   shared_beyond=c.overlap.shared_beyond)
+                                   shared_beyond=c.overlap.shared_beyond, predicted=view.overlap.predicted)
         for tier in TIERS:
             rec, rep = getattr(c.overlap, tier), getattr(replayed, tier)
             if rec != rep:
@@ -208,6 +227,9 @@ def explain(decision: RouteDecision, views) -> Explanation:
         differences.append({"kind": "winner", "worker": chosen, "recorded": decision.chosen, "replayed": chosen,
                             "detail": f"winner: recorded {decision.chosen}, recomputed {chosen or 'none'}"})
     notes = []
+    if any(c.overlap.predicted for c in decision.candidates):
+        notes.append("predicted pages come from routers' bookings, which no stream holds: they are taken as "
+                     "recorded (the replayed walk treats the recorded device + predicted prefix as predicted)")
     if decision.shared_pool_queried or any(c.overlap.shared_beyond for c in decision.candidates):
         notes.append("shared pool: hits beyond the device prefix are the recorded ones: the Mooncake pool's "
                      "contents are in no stream and cannot be replayed")
@@ -354,6 +376,7 @@ async def _explain(args) -> tuple[int, dict]:
                     from None
             client = redis_async_client(args.redis, socket_timeout=10)
             try:
+                await seed_recorded_predictions(client, scratch.root, decision)
                 views = await OverlapReader(client, root=scratch.root).read(
                     decision.model, _pages_by_size(decision), now_ms=int(decision.ts * 1000))
             finally:

@@ -32,6 +32,7 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                 "model": token, "worker": worker_id,
                 "lease_left_s": round((lease - now_ms) / 1000, 1) if lease is not None else None,
                 "epoch": int(state.get("epoch", 0) or 0), "seq": int(state.get("seq", 0) or 0),
+                "source_seq": int(state.get("source_seq", -1) or -1),
                 "stale": state.get("stale") == "1", "stale_reason": state.get("stale_reason", ""),
                 "last_epoch_reason": state.get("last_epoch_reason", ""), "gaps": int(state.get("gaps", 0) or 0),
                 "applied_ago_s": round((now_ms - applied_ms) / 1000, 1) if applied_ms else None,

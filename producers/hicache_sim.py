@@ -15,9 +15,10 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtier.producers.cost_model import CostModel
 from kvtier.schemas.hashes import BlockHash, PageDigest, block_hash_of_digest, sglang_page_digests
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored, SglangEvent
 from kvtier.schemas.tiers import Tier
@@ -35,10 +36,13 @@ class SimConfig:
     write_policy: str = "write_through"  # one of WRITE_POLICIES
     selective_threshold: int = 2  # write_through_selective: hits before the host copy starts
     dma_delay_s: float = 0.002  # a device->host copy lands this long after it starts
-    prefill_s_per_token: float = 0.0001
-    load_back_s_per_page: float = 0.00005  # host -> device
-    l3_s_per_page: float = 0.0002  # shared pool -> host
     l3: bool = False  # write landed host copies to the shared pool and prefetch from it
+    #: False: keep no KV events (and no token ids) at all, for a replay that only needs the
+    #: outcome; the cache behaves exactly the same.
+    emit_events: bool = True
+    #: False: stored-page events carry no token ids (for a reader that needs only the hashes).
+    event_token_ids: bool = True
+    cost: CostModel = field(default_factory=CostModel)  # what prefill, loads and decode take
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -53,6 +57,9 @@ class SharedPool(Protocol):
     def contains(self, digest: PageDigest) -> bool: ...
 
     def put(self, digests: list[PageDigest]) -> None: ...
+
+    def touch(self, digests: list[PageDigest]) -> None:
+        """The pages were read (a prefetch): they are recently used."""
 
 
 class InMemorySharedPool:
@@ -73,6 +80,11 @@ class InMemorySharedPool:
             while len(self._pages) > self.capacity_pages:
                 self._pages.popitem(last=False)
 
+    def touch(self, digests: list[PageDigest]) -> None:
+        for digest in digests:
+            if digest in self._pages:
+                self._pages.move_to_end(digest)
+
     def __len__(self) -> int:
         return len(self._pages)
 
@@ -85,8 +97,71 @@ class ServeResult:
     l3_hit_pages: int
     recomputed_pages: int
     recomputed_tokens: int
-    queue_s: float
-    ttft_s: float
+    queue_s: float  # arrival -> prefill start
+    ttft_s: float  # arrival -> first token
+    service_s: float = 0.0  # the prefill itself: loads + recompute
+    complete_at: float = 0.0  # when its last output token is out (simulated time)
+
+
+class _Engine:
+    """The worker's GPU time: prefills run one after another in arrival order, and decode
+    steps run in batches whenever no prefill waits (SGLang's scheduler runs a waiting
+    prefill before the next decode step). Deterministic; time is the caller's."""
+
+    def __init__(self, cost: CostModel, page_size: int):
+        self.cost = cost
+        self.page_size = page_size
+        self.prefill_free_at = 0.0  # when the last queued prefill ends
+        self.busy_s = 0.0  # prefill seconds run so far (utilisation)
+        self.prefills: list[tuple[float, int]] = []  # (first token at, recomputed pages), FIFO
+        self.decoding: list[tuple[float, float, int, int]] = []  # heap of (done at, first token at, context, pages)
+
+    def _retire(self, now: float) -> None:
+        while self.decoding and self.decoding[0][0] <= now:
+            heapq.heappop(self.decoding)
+        while self.prefills and self.prefills[0][0] <= now:
+            self.prefills.pop(0)
+
+    def start_at(self, ready: float) -> float:
+        """When a prefill that can start at `ready` starts: after the prefills ahead of it,
+        or at the end of the decode step in progress."""
+        if ready < self.prefill_free_at:
+            return self.prefill_free_at
+        running = [d for d in self.decoding if d[1] <= ready < d[0]]
+        if not running:
+            return ready
+        since = max(self.prefill_free_at, min(d[1] for d in running))
+        step = self.cost.decode_step_s(sum(d[2] for d in running))
+        if step <= 0:
+            return ready
+        steps = -(-(ready - since) // step)  # the step in progress ends on this boundary
+        return since + steps * step
+
+    def run(self, arrival: float, ready: float, service_s: float, recomputed_pages: int, prompt_tokens: int,
+            output_tokens: int) -> tuple[float, float, float]:
+        """Queue one request; returns (prefill start, first token, done)."""
+        self._retire(arrival)
+        start = self.start_at(ready)
+        first = start + service_s
+        self.prefill_free_at = first
+        self.busy_s += service_s
+        self.prefills.append((first, recomputed_pages))
+        context = prompt_tokens + output_tokens
+        batch = sum(d[2] for d in self.decoding if d[0] > first) + context
+        done = first + output_tokens * self.cost.decode_step_s(batch)
+        heapq.heappush(self.decoding, (done, first, context, -(-context // self.page_size)))
+        return start, first, done
+
+    def queued_prefill_pages(self, now: float) -> int:
+        """Pages still to compute by prefills that have not reached their first token at `now`."""
+        self._retire(now)
+        return sum(pages for first, pages in self.prefills if first > now)
+
+    def decode_pages(self, now: float) -> int:
+        """Pages (prompt + output) of the requests admitted and not done at `now`, queued ones
+        included: what a router's bookings hold as decode load, but exact."""
+        self._retire(now)
+        return sum(d[3] for d in self.decoding)
 
 
 class _Node:
@@ -118,6 +193,7 @@ class HiCacheSim:
         self._clear()
 
     def _clear(self) -> None:
+        self.engine = _Engine(self.config.cost, self.config.page_size)
         self._root = _Node(None, None, [], (float("-inf"), 0))
         self._root.on_device = True  # so "parent on device" needs no special case at the root
         self._nodes: dict[PageDigest, _Node] = {}
@@ -126,13 +202,23 @@ class HiCacheSim:
         self._dma: list[tuple[float, int, _Node]] = []
         self._tick = 0
         self._now = 0.0
-        self._busy_until = 0.0
+        # Nodes that may be eviction candidates, so eviction never scans the whole tree. A
+        # superset, cleaned lazily: a node is added whenever it may have become a device leaf
+        # (placed on device, or its last device child left) or a host-only leaf (it left
+        # device with a host copy, its copy landed off device, or it lost a child).
+        self._device_leaves: set[_Node] = set()
+        self._host_leaves: set[_Node] = set()
 
     # --- public API -----------------------------------------------------------------------
-    def serve(self, token_ids: list[int], now: float) -> ServeResult:
+    def serve(self, token_ids: list[int], now: float, output_tokens: int = 0,
+              digests: list[PageDigest] | None = None) -> ServeResult:
+        """One request arriving at `now` (its KV is matched and placed at once; its GPU time
+        is queued on the engine). `output_tokens` decode steps follow its first token.
+        `digests`: the request's page digests when the caller has them already."""
         self.advance(now)
         cfg, ps = self.config, self.config.page_size
-        digests = sglang_page_digests(token_ids, ps)
+        if digests is None:
+            digests = sglang_page_digests(token_ids, ps)
         n = len(digests)
 
         # Match: device prefix, then host continuation, then the shared pool.
@@ -160,11 +246,14 @@ class HiCacheSim:
             while (d + h + l < n and digests[d + h + l] not in self._nodes
                    and self.shared_pool.contains(digests[d + h + l])):
                 l += 1
-            # SGLang prefetches into host memory before the request is scheduled.
+            # SGLang prefetches into host memory before the request is scheduled; the reads
+            # make those pages recently used in the pool (its eviction is by last access).
             l = self._make_host_room(l, protected)
+            self.shared_pool.touch(digests[d + h:d + h + l])
             for i in range(d + h, d + h + l):
-                child = self._new_node(digests[i], node, token_ids[i * ps:(i + 1) * ps], now)
+                child = self._new_node(digests[i], node, token_ids, i, now)
                 child.host = _READY
+                self._host_leaves.add(child)
                 self._host_used += 1
                 self._emit_stored(child, HOST)
                 path.append(child)
@@ -179,8 +268,9 @@ class HiCacheSim:
         for i in range(d, d + avail):
             nd = path[i] if i < len(path) else self._nodes.get(digests[i])
             if nd is None:
-                nd = self._new_node(digests[i], parent, token_ids[i * ps:(i + 1) * ps], now)
+                nd = self._new_node(digests[i], parent, token_ids, i, now)
             nd.on_device = True
+            self._device_leaves.add(nd)
             self._device_used += 1
             self._emit_stored(nd, GPU)
             placed.append(nd)
@@ -196,14 +286,35 @@ class HiCacheSim:
         self._start_backups([nd for nd in path[:d] + placed if self._wants_backup(nd)], protected)
 
         recomputed_tokens = len(token_ids) - reused * ps
-        duration = (host_hit * cfg.load_back_s_per_page
-                    + l3_hit * (cfg.l3_s_per_page + cfg.load_back_s_per_page)
-                    + recomputed_tokens * cfg.prefill_s_per_token)
-        start = max(now, ready, self._busy_until)
-        self._busy_until = start + duration
+        cost = cfg.cost
+        service = (cost.load_back_s(host_hit + l3_hit, ps) + cost.l3_fetch_s(l3_hit, ps)
+                   + cost.prefill_s(recomputed_tokens))
+        start, first, done = self.engine.run(now, ready, service, -(-recomputed_tokens // ps), len(token_ids),
+                                             output_tokens)
         return ServeResult(pages=n, device_hit_pages=d, host_hit_pages=host_hit, l3_hit_pages=l3_hit,
                            recomputed_pages=n - reused, recomputed_tokens=recomputed_tokens,
-                           queue_s=start - now, ttft_s=start - now + duration)
+                           queue_s=start - now, ttft_s=first - now, service_s=service, complete_at=done)
+
+    def overlap(self, digests: list[PageDigest]) -> tuple[int, int]:
+        """The request's (device, host) overlap as a router walks it, on this worker's true
+        tiers now: the device prefix, then the pages on host (landed copies only) after it."""
+        node, d = self._root, 0
+        for digest in digests:
+            child = node.children.get(digest)
+            if child is None or not child.on_device:
+                break
+            node, d = child, d + 1
+        h = 0
+        for digest in digests[d:]:
+            child = node.children.get(digest)
+            if child is None or child.host != _READY:
+                break
+            node, h = child, h + 1
+        return d, h
+
+    def next_landing(self) -> float | None:
+        """When the next device->host copy in flight lands (None: none in flight)."""
+        return self._dma[0][0] if self._dma else None
 
     def advance(self, now: float) -> None:
         self._now = max(self._now, now)
@@ -212,6 +323,7 @@ class HiCacheSim:
             _, seq, nd = heapq.heappop(self._dma)
             if nd.alive and nd.host == _PENDING and nd.dma_seq == seq:
                 nd.host = _READY
+                self._host_leaves.add(nd)
                 self._emit_stored(nd, HOST)
                 landed.append(nd.digest)
         if landed and self.config.l3 and self.shared_pool is not None:
@@ -238,8 +350,13 @@ class HiCacheSim:
         self._tick += 1
         return (now, self._tick)
 
-    def _new_node(self, digest: PageDigest, parent: _Node, tokens: list[int], now: float) -> _Node:
-        nd = _Node(digest, parent, list(tokens), self._next_stamp(now))
+    def _new_node(self, digest: PageDigest, parent: _Node, token_ids, page: int, now: float) -> _Node:
+        """`token_ids[page]`'s node; its tokens are kept only for the events that carry them."""
+        self._tick += 1
+        ps = self.config.page_size
+        keep = self.config.emit_events and self.config.event_token_ids
+        tokens = list(token_ids[page * ps:(page + 1) * ps]) if keep else None
+        nd = _Node(digest, parent, tokens, (now, self._tick))
         parent.children[digest] = nd
         self._nodes[digest] = nd
         return nd
@@ -248,6 +365,8 @@ class HiCacheSim:
         del nd.parent.children[nd.digest]
         del self._nodes[nd.digest]
         nd.alive = False
+        if nd.parent is not self._root:
+            self._host_leaves.add(nd.parent)
 
     def _device_evictable(self, nd: _Node, protected: set[_Node]) -> bool:
         # A copy in flight reads the device pages, so SGLang keeps them locked until it lands.
@@ -262,17 +381,38 @@ class HiCacheSim:
         heapq.heapify(heap)
         return heap
 
+    def _device_candidates(self, protected: set[_Node]) -> list[_Node]:
+        keep = []
+        for nd in list(self._device_leaves):
+            if not nd.alive or not nd.on_device or any(c.on_device for c in nd.children.values()):
+                self._device_leaves.discard(nd)  # re-added when it becomes a device leaf again
+            elif self._device_evictable(nd, protected):
+                keep.append(nd)
+        return keep
+
+    def _host_candidates(self, protected: set[_Node]) -> list[_Node]:
+        keep = []
+        for nd in list(self._host_leaves):
+            if not nd.alive or nd.host != _READY or nd.on_device or nd.children:
+                self._host_leaves.discard(nd)
+            elif nd not in protected:
+                keep.append(nd)
+        return keep
+
     def _make_device_room(self, want: int, protected: set[_Node]) -> None:
         need = want - (self.config.device_pages - self._device_used)
         if need <= 0:
             return
-        heap = self._lru(nd for nd in self._nodes.values() if self._device_evictable(nd, protected))
+        heap = self._lru(self._device_candidates(protected))
         victims: list[_Node] = []
         while len(victims) < need and heap:
             nd = heapq.heappop(heap)
             if not self._device_evictable(nd, protected):
                 continue
             nd.on_device = False  # now its parent may be a device leaf
+            self._host_leaves.add(nd)
+            if nd.parent is not self._root:
+                self._device_leaves.add(nd.parent)
             victims.append(nd)
             if nd.parent is not self._root and self._device_evictable(nd.parent, protected):
                 heapq.heappush(heap, nd.parent)
@@ -327,7 +467,7 @@ class HiCacheSim:
         cap = self.config.host_pages
         need = want - (cap - self._host_used)
         if need > 0:
-            heap = self._lru(nd for nd in self._nodes.values() if self._host_evictable(nd, protected))
+            heap = self._lru(self._host_candidates(protected))
             while need > 0 and heap:
                 nd = heapq.heappop(heap)
                 if not self._host_evictable(nd, protected):
@@ -363,19 +503,24 @@ class HiCacheSim:
 
     # --- events ---------------------------------------------------------------------------
     def _emit_stored(self, nd: _Node, medium: str) -> None:
+        if not self.config.emit_events:
+            return
         parent = nd.parent.hash
         last = self._events[-1] if self._events else None
         # Merge only along the chain, so the merged event's parent_block_hash stays true.
         if (isinstance(last, BlockStored) and last.medium == medium
                 and parent is not None and last.block_hashes[-1] == parent):
             last.block_hashes.append(nd.hash)
-            last.token_ids.extend(nd.tokens)
+            if nd.tokens is not None:
+                last.token_ids.extend(nd.tokens)
             return
         self._events.append(BlockStored(block_hashes=[nd.hash], parent_block_hash=parent,
-                                        token_ids=list(nd.tokens), block_size=self.config.page_size,
+                                        token_ids=list(nd.tokens or ()), block_size=self.config.page_size,
                                         medium=medium))
 
     def _emit(self, event: BlockRemoved) -> None:
+        if not self.config.emit_events:
+            return
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved) and last.medium == event.medium:
             last.block_hashes.extend(event.block_hashes)

@@ -5,9 +5,11 @@ ranks): rank r publishes its KV events on a ZMQ PUB socket at `--port` + r, with
 ROUTER socket at `--replay-port` + r, exactly as SGLang does, so `kvtier bridge --dp-size N`
 consumes them unchanged. Requests come over HTTP:
 
-  POST /w/<rank>/generate  {"input_ids": [...], "now": <sim seconds>?}
+  POST /w/<rank>/generate  {"input_ids": [...], "now": <sim seconds>?,
+                            "sampling_params": {"max_new_tokens": N}?}
         -> {"rank", "meta_info": {"prompt_tokens", "cached_tokens", "cached_tokens_details":
-            {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s"}}
+            {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s", "e2e_latency"}}
+        Times are simulated seconds from producers/cost_model.py (docs/COST_MODEL.md).
         Other fields of SGLang's native body (sampling_params, ...) are ignored. Without
         "now" the simulated clock moves on by the wall time since the previous request, so a
         client that sends SGLang's plain body (e.g. `kvtier probe hicache`) sees device->host
@@ -46,9 +48,14 @@ from kvtier.schemas.hashes import PageDigest
 log = logging.getLogger("kvtier.sim")
 
 
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_new_tokens: int = 0  # decode steps the request keeps the engine's batch busy for
+
+
 class GenerateBody(msgspec.Struct, frozen=True):
     input_ids: list[int]
     now: float | None = None
+    sampling_params: SamplingParams = SamplingParams()
 
 
 class AdvanceBody(msgspec.Struct, frozen=True):
@@ -129,11 +136,28 @@ class MooncakeStorePool:
     def contains(self, digest: PageDigest) -> bool:
         return all(self.writer.exists(self._keys(digest)))
 
+    def touch(self, digests: list[PageDigest]) -> None:
+        pass  # the master keeps its own account of reads
+
     def __len__(self) -> int:
         return self._written  # pages written by these ranks (the master may have evicted some)
 
     def close(self) -> None:
         self.writer.close()
+
+
+def pool_query_response(pool, request: web.Request) -> web.Response:
+    """`GET /batch_query_keys?keys=k1,k2` answered from `pool` in the Mooncake master's format."""
+    raw = request.query.get("keys", "")
+    if not raw:
+        return web.json_response({"success": False, "error": "No keys provided. Use ?keys=key1,key2,..."},
+                                 status=400)
+    data = {}
+    for key in raw.split(","):
+        digest = _digest_of_key(key)
+        ok = bool(pool is not None and digest is not None and pool.contains(digest))
+        data[key] = {"ok": ok, "error": None if ok else "OBJECT_NOT_FOUND"}
+    return web.json_response({"success": True, "data": data})
 
 
 class SimWorkers:
@@ -179,7 +203,7 @@ class SimWorkers:
             return web.json_response({"error": f"invalid body: {exc}"}, status=400)
         async with self._lock:
             now = self._tick(body.now)
-            result = self.sims[rank].serve(body.input_ids, now)
+            result = self.sims[rank].serve(body.input_ids, now, body.sampling_params.max_new_tokens)
             self._flush(rank)
         page = self.config.sim.page_size
         return web.json_response({"rank": rank, "meta_info": {
@@ -187,7 +211,8 @@ class SimWorkers:
             "cached_tokens": (result.device_hit_pages + result.host_hit_pages + result.l3_hit_pages) * page,
             "cached_tokens_details": {"device": result.device_hit_pages * page, "host": result.host_hit_pages * page,
                                       "l3": result.l3_hit_pages * page},
-            "recomputed_tokens": result.recomputed_tokens, "queue_s": result.queue_s, "ttft_s": result.ttft_s}})
+            "recomputed_tokens": result.recomputed_tokens, "queue_s": result.queue_s, "ttft_s": result.ttft_s,
+            "e2e_latency": result.complete_at - now}})
 
     async def advance(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read(), type=AdvanceBody)
@@ -217,16 +242,7 @@ class SimWorkers:
         return web.json_response([[h, sorted(t.value for t in tiers)] for h, tiers in view.items()])
 
     async def batch_query_keys(self, request: web.Request) -> web.Response:
-        raw = request.query.get("keys", "")
-        if not raw:
-            return web.json_response({"success": False, "error": "No keys provided. Use ?keys=key1,key2,..."},
-                                     status=400)
-        data = {}
-        for key in raw.split(","):
-            digest = _digest_of_key(key)
-            ok = bool(self.pool is not None and digest is not None and self.pool.contains(digest))
-            data[key] = {"ok": ok, "error": None if ok else "OBJECT_NOT_FOUND"}
-        return web.json_response({"success": True, "data": data})
+        return pool_query_response(self.pool, request)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ranks": len(self.sims), "now": self._now,

@@ -53,8 +53,13 @@ class LoadBook:
 
     async def select_and_book(self, model: str, request_id: str, request_pages: int, decode_pages: int,
                               candidates: Sequence[tuple[str, float, int]], prefill_load_scale: float,
-                              temperature: float, u: float, book: bool = True) -> Selection:
-        """`candidates`: (worker id, cache credit, device overlap) in a fixed order."""
+                              temperature: float, u: float, book: bool = True,
+                              selection: str = "score", predict: str = "",
+                              devices: Sequence[int] = ()) -> Selection:
+        """`candidates`: (worker id, cache credit, pages it need not compute) in a fixed order.
+        `selection`: "score" (the formula), "round-robin" or "random" (select_and_book.lua).
+        `predict`: the request's page keys blob to predict on the chosen worker past its
+        device overlap (`devices`, in candidate order); "" predicts nothing."""
         if any("," in c[0] for c in candidates):
             raise ValueError("worker ids must not contain ',' (bridges only announce [A-Za-z0-9_-] ids)")
         keys = ModelKeys.for_model(model)
@@ -62,7 +67,8 @@ class LoadBook:
                                  repr(float(prefill_load_scale)), repr(float(temperature)), repr(float(u)),
                                  1 if book else 0]
         args += (",".join(c[0] for c in candidates), ",".join(repr(float(c[1])) for c in candidates),
-                 ",".join(str(c[2]) for c in candidates))
+                 ",".join(str(c[2]) for c in candidates), selection, predict if book else "",
+                 ",".join(str(d) for d in devices) if predict else "")
         raw = await self._select(keys=[keys.prefill_load, keys.decode_load, keys.bookings], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))

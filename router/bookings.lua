@@ -6,14 +6,25 @@ local function add_load(key, worker, delta)
   if left <= 0 then redis.call('HDEL', key, worker) end
 end
 
+-- Predicted pages: one count per booking holding the page (page keys concatenated, 16 hex
+-- digits each); a page whose count reaches 0 is no longer predicted.
+local function hold_predicted(base, worker, pages, delta)
+  local key = base .. ':w:' .. worker .. ':predicted'
+  for j = 1, #pages / 16 do
+    local page = string.sub(pages, (j - 1) * 16 + 1, j * 16)
+    if redis.call('HINCRBY', key, page, delta) <= 0 then redis.call('HDEL', key, page) end
+  end
+end
+
 local function drop_booking(base, request_id, prefill_key, decode_key)
   local bk = base .. ':bk:' .. request_id
-  local held = redis.call('HMGET', bk, 'worker', 'prefill', 'decode')
+  local held = redis.call('HMGET', bk, 'worker', 'prefill', 'decode', 'predicted')
   redis.call('DEL', bk)
   redis.call('ZREM', base .. ':bookings', request_id)
   if held[1] then
     add_load(prefill_key, held[1], -(tonumber(held[2]) or 0))
     add_load(decode_key, held[1], -(tonumber(held[3]) or 0))
+    if held[4] then hold_predicted(base, held[1], held[4], -1) end
   end
   return held
 end

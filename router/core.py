@@ -55,6 +55,8 @@ DEGRADED_STATE_STORE = "state-store-unavailable"
 DEGRADED_SHARED_POOL = "shared-pool-unavailable"
 DEGRADED_ONLY_STALE = "only-stale-workers"
 DEGRADED_REBUILDING = "state-store-rebuilding"
+#: Router modes that pick by a baseline rule instead of the score (RouterSettings.selection).
+SELECTIONS = ("round-robin", "random")
 #: How often housekeeping re-reads the processors' hash checks (seconds).
 HASH_CHECK_REFRESH_S = 5.0
 
@@ -83,6 +85,13 @@ class RouterSettings:
     booking_ttl_s: float = 600.0
     router_id: str = ""
     state_retry_s: float = 0.5  # after a Redis failure, how long to route without it before retrying
+    #: How the worker is picked among the scored candidates: "score" (the formula), or a
+    #: baseline for A/B tests, "round-robin" (one turn counter shared by every replica) or
+    #: "random". Baselines still score (the answer shows what the formula would say) and book.
+    selection: str = "score"
+    #: Book each request's pages as predicted device pages on its worker until it completes
+    #: (--predicted-pages), credited at `predicted_page_weight`.
+    predicted_pages: bool = True
 
 
 @dataclass(frozen=True)
@@ -241,17 +250,20 @@ class Router:
         # Workers of one model share a page size in practice; with mixed sizes the request's
         # page count is taken at the most common one, and each worker's overlap at its own.
         credits = [scoring.cache_credit(c.overlap, weights) for c in inputs]
+        predict = (pages_by_size[primary_size].keys_blob
+                   if self.settings.predicted_pages and primary_size in pages_by_size else "")
         try:
             selection = await self.book.select_and_book(
                 model, request_id, n_pages, decode_pages,
-                [(c.worker_id, credit, c.overlap.device) for c, credit in zip(inputs, credits)],
-                weights.prefill_load_scale, weights.temperature, u, book=request.book)
+                [(c.worker_id, credit, c.overlap.device + c.overlap.predicted) for c, credit in zip(inputs, credits)],
+                weights.prefill_load_scale, weights.temperature, u, book=request.book,
+                selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs])
         except AlreadyBooked as exc:
             raise DuplicateRequest(str(exc)) from None
         booked_inputs = [scoring.CandidateInputs(c.worker_id, c.overlap, p, d)
                          for c, p, d in zip(inputs, selection.prefill_loads, selection.decode_loads)]
         scored = scoring.score(n_pages, booked_inputs, weights, u)
-        if scored.chosen != selection.chosen:
+        if scored.chosen != selection.chosen and self.settings.selection == "score":
             self.metrics.scoring_mismatch.inc()
             log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
                       inputs[selection.chosen].worker_id, inputs[scored.chosen].worker_id, request_id)
@@ -267,7 +279,8 @@ class Router:
             candidates=candidates, request_pages=n_pages, page_size=primary_size, degraded=degraded,
             booked=request.book, worker_url=meta.http_endpoint if meta else "")
         latency = time.perf_counter() - started
-        self._observe(response, shared, n_pages, latency, "kv")
+        self._observe(response, shared, n_pages, latency, "kv" if self.settings.selection == "score"
+                      else self.settings.selection)
         decision = None
         if self.decision_log is not None:
             decision = RouteDecision(
@@ -318,7 +331,8 @@ class Router:
         if pages is None:
             return view.overlap
         o = view.overlap
-        return TierOverlap(device=o.device, host=o.host, disk=o.disk, shared_beyond=pages.beyond(o.device))
+        return TierOverlap(device=o.device, host=o.host, disk=o.disk, predicted=o.predicted,
+                           shared_beyond=pages.beyond(o.device + o.predicted))
 
     def _observe(self, response: RouteResponse, shared, n_pages: int, latency: float, mode: str) -> None:
         m = self.metrics

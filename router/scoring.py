@@ -32,18 +32,19 @@ class CandidateInputs:
     decode_load: int = 0  # active decode pages booked on the worker
 
 
-def credit_terms(overlap: TierOverlap, weights: ScoringWeights) -> tuple[float, float, float, float]:
-    """The cache credit's terms, in pages: device, host, disk, shared pool beyond the device prefix."""
+def credit_terms(overlap: TierOverlap, weights: ScoringWeights) -> tuple[float, float, float, float, float]:
+    """The cache credit's terms, in pages: device, host, disk, shared pool beyond the device
+    prefix, predicted pages."""
     return (weights.overlap_score_credit * overlap.device,
             weights.host_cache_hit_weight * overlap.host,
             weights.disk_cache_hit_weight * overlap.disk,
-            weights.shared_cache_multiplier * overlap.shared_beyond)
+            weights.shared_cache_multiplier * overlap.shared_beyond,
+            weights.predicted_page_weight * overlap.predicted)
 
 
 def cache_credit(overlap: TierOverlap, weights: ScoringWeights) -> float:
     """Pages of prefill the worker's caches save for this request (the load-free part)."""
-    device, host, disk, shared = credit_terms(overlap, weights)
-    return device + host + disk + shared
+    return sum(credit_terms(overlap, weights))
 
 
 def logit(request_pages: int, credit: float, prefill_load: int, decode_load: int,
@@ -63,6 +64,7 @@ class ScoreTerms:
     host_credit: float
     disk_credit: float
     shared_credit: float
+    predicted_credit: float
     credit: float
     adjusted: float
     decode_blocks: int  # the worker's active decode pages
@@ -71,12 +73,12 @@ class ScoreTerms:
 
 def score_terms(request_pages: int, candidate: CandidateInputs, weights: ScoringWeights) -> ScoreTerms:
     """One candidate's logit with its terms; `logits()` is built on it, so they cannot drift."""
-    device, host, disk, shared = credit_terms(candidate.overlap, weights)
-    credit = device + host + disk + shared
+    device, host, disk, shared, predicted = credit_terms(candidate.overlap, weights)
+    credit = device + host + disk + shared + predicted
     prefill_blocks = request_pages + candidate.prefill_load
     value = logit(request_pages, credit, candidate.prefill_load, candidate.decode_load, weights.prefill_load_scale)
     return ScoreTerms(prefill_blocks=prefill_blocks, device_credit=device, host_credit=host, disk_credit=disk,
-                      shared_credit=shared, credit=credit, adjusted=max(prefill_blocks - credit, 0.0),
+                      shared_credit=shared, predicted_credit=predicted, credit=credit, adjusted=max(prefill_blocks - credit, 0.0),
                       decode_blocks=candidate.decode_load, logit=value)
 
 

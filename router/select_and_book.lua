@@ -6,8 +6,15 @@
 -- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 request pages,
 --       6 decode pages, 7 prefill_load_scale, 8 temperature, 9 u in [0,1), 10 book (1|0),
 --       11 workers (comma-separated), 12 their cache credits (comma-separated decimals),
---       13 their device overlaps (comma-separated pages); one argument each, not 3 per worker,
---       because packing hundreds of arguments costs the client more than splitting costs here
+--       13 the pages each need not compute (device + predicted overlap: the prefill booked is
+--       request pages minus these) (comma-separated); one argument each, not 3 per worker,
+--       because packing hundreds of arguments costs the client more than splitting costs here;
+--       14 selection: "score" (the formula), "round-robin" (the model's next turn, one counter
+--       for every replica: key base .. ':rr') or "random" (uniform by u); each books alike;
+--       15 the request's page keys (16 hex digits each) to predict on the chosen worker, or ""
+--       for no prediction; 16 each worker's device overlap (comma-separated): the chosen
+--       worker's pages past it are predicted there (one more booking holding each) until the
+--       booking completes or expires
 -- Returns {chosen index (1-based) | -1 when the request id is already booked,
 --          worker prefill loads..., worker decode loads...} (loads as read before booking).
 local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -37,7 +44,12 @@ end
 
 if u >= 1 then u = 1 - 2 ^ -53 elseif u < 0 then u = 0 end
 local chosen
-if temperature <= 0 then
+local selection = ARGV[14] or 'score'
+if selection == 'round-robin' then
+  chosen = (redis.call('INCR', base .. ':rr') - 1) % #workers + 1
+elseif selection == 'random' then
+  chosen = math.floor(u * #workers) + 1
+elseif temperature <= 0 then
   local ties = {}
   for k = 1, #workers do if logits[k] == low then ties[#ties + 1] = k end end
   chosen = ties[math.floor(u * #ties) + 1]
@@ -64,6 +76,22 @@ if book then
   add_load(KEYS[2], worker, decode_pages)
   local bk = base .. ':bk:' .. request_id
   redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
+  local blob = ARGV[15] or ''
+  if blob ~= '' then
+    local k = 0
+    for d in string.gmatch(ARGV[16], '[^,]+') do
+      k = k + 1
+      if k == chosen then
+        local from = tonumber(d)
+        if from * 16 < #blob then
+          local pages = string.sub(blob, from * 16 + 1)
+          hold_predicted(base, worker, pages, 1)
+          redis.call('HSET', bk, 'predicted', pages)
+        end
+        break
+      end
+    end
+  end
   -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
   redis.call('PEXPIRE', bk, ttl + 60000)
   redis.call('ZADD', KEYS[3], now + ttl, request_id)

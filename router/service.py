@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from kvtier.schemas.routing import (
     RouteRequest,
 )
 
-from .core import Router, RoutingError
+from .core import SELECTIONS, Router, RoutingError
 
 log = logging.getLogger("kvtier.router.http")
 
@@ -304,7 +305,7 @@ class RouterConfig:
     nats_url: str = ""
     host: str = "127.0.0.1"
     http_port: int = 8000
-    router_mode: str = "kv"  # kv | round-robin | random
+    router_mode: str = "kv"  # kv | load | round-robin | random
     shared_cache_type: str = "none"  # none | hicache
     mooncake_master: str = ""
     shared_cache_timeout_s: float = 0.05
@@ -313,6 +314,8 @@ class RouterConfig:
     state_timeout_s: float = 0.25
     router_id: str = ""
     weights: object = None  # ScoringWeights
+    seed: int | None = None  # seeds the tie-breaking draws: the same calls give the same decisions
+    predicted_pages: bool = True
     service: ServiceSettings = None  # type: ignore[assignment]
 
 
@@ -327,7 +330,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
     from .shared_pool import SharedPoolClient
 
     weights = config.weights or ScoringWeights()
-    if config.router_mode != "kv":
+    if config.router_mode == "load":
         # Cache-blind modes are the same machinery with every cache weight at zero: the
         # choice is then by booked load alone, ties broken at random.
         weights = msgspec.structs.replace(weights, overlap_score_credit=0.0, host_cache_hit_weight=0.0,
@@ -345,8 +348,11 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
         decision_log.start()
     router = Router(client, RouterSettings(weights=weights, shared_cache=shared_pool is not None,
                                            router_page_size=config.page_size, booking_ttl_s=config.booking_ttl_s,
-                                           router_id=config.router_id),
-                    metrics, shared_pool=shared_pool, decision_log=decision_log)
+                                           router_id=config.router_id, predicted_pages=config.predicted_pages,
+                                           selection=config.router_mode if config.router_mode in SELECTIONS
+                                           else "score"),
+                    metrics, shared_pool=shared_pool, decision_log=decision_log,
+                    rng=random.Random(config.seed) if config.seed is not None else None)
     try:
         await run_router_service(router, config.service or ServiceSettings(), config.host, config.http_port,
                                  stop, ready)

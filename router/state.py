@@ -75,9 +75,9 @@ class OverlapReader:
                                         keys.page_sizes, keys.incarnation], args=args)
         status_of = _STATUS_OF
         views = Views(WorkerView(worker.decode() if isinstance(worker, bytes) else worker, status_of[status], size,
-                           TierOverlap(device=device, host=host, disk=disk), prefill, decode)
-                for worker, status, size, device, host, disk, prefill, decode
-                in (flat[i:i + 8] for i in range(1, len(flat), 8)))
+                           TierOverlap(device=device, host=host, disk=disk, predicted=predicted), prefill, decode)
+                for worker, status, size, device, host, disk, prefill, decode, predicted
+                in (flat[i:i + 9] for i in range(1, len(flat), 9)))
         views.rebuilding = bool(flat[0])
         return views
 

@@ -27,6 +27,9 @@ class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
     shared_cache_multiplier: float = 0.5
     prefill_load_scale: float = 1.0
     temperature: float = 0.0
+    #: Credit per predicted page: a page of a request booked on the worker and not yet
+    #: complete, which its events may not show yet (router/README.md).
+    predicted_page_weight: float = 1.0
 
 
 class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -38,6 +41,7 @@ class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     shared_cache_multiplier: Optional[Weight] = None
     prefill_load_scale: Optional[Weight] = None
     temperature: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]] = None
+    predicted_page_weight: Optional[Weight] = None
 
     def applied_to(self, weights: ScoringWeights) -> ScoringWeights:
         changes = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
@@ -64,6 +68,10 @@ class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
     host: int = 0
     disk: int = 0
     shared_beyond: int = 0
+    #: Pages of the prefix not on device yet but predicted there: booked by a request on this
+    #: worker that has not completed (they extend the device prefix; `shared_beyond` counts
+    #: from the end of both).
+    predicted: int = 0
 
 
 class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):

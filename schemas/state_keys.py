@@ -9,6 +9,8 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
                                   "2" host, "4" disk, "8" external); a page on two tiers is
                                   two members
   kvt:{m}:w:<worker>:state  hash  epoch, seq, stale, n<bit> page count per tier,
+                                  source_seq (the engine's own seq of the last applied
+                                  batch: how far into the engine's stream the state is),
                                   tiers_seen (OR of every tier bit ever stored), epoch_floor
                                   (while rebuilding after a loss: older epochs are skipped), ...
   kvt:{m}:w:<worker>:meta   str   WorkerMetadata as JSON
@@ -35,6 +37,7 @@ Load booked by routers (written only by router/*.lua, atomically with each selec
   kvt:{m}:load:decode       hash  worker -> active decode pages
   kvt:{m}:bookings          zset  request id -> booking expiry (unix ms)
   kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back)
+  kvt:{m}:rr                str   the model's round-robin turn (--router-mode round-robin)
 
 One tier-tagged set per worker rather than one set per tier: a store is still one SADD and
 a remove one SREM with nothing read first, and a router's walk asks all tiers of a worker in

@@ -223,7 +223,7 @@ def test_redis_cluster_processor_and_router_work_unchanged(nats_server):
                 status, body, _ = router.route(m, t, request_id=f"req-{i}", max_new_tokens=8)
                 assert status == 200, body
                 assert body["worker_id"] == "w0" and body["booked"] is True, body
-                assert body["overlap"] == {"device": 5, "host": 3, "disk": 0, "shared_beyond": 0}, body
+                assert body["overlap"] == {"device": 5, "host": 3, "disk": 0, "shared_beyond": 0, "predicted": 0}, body
                 assert not body.get("degraded"), body
                 _, seen, _ = router.route(m, t, book=False)
                 # prefill booked = 8 pages - 5 on device; decode = (32 prompt + 8 new tokens) / 4

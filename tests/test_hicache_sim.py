@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvtier.producers.cost_model import CostModel
 from kvtier.producers.hicache_sim import (
     GPU, HOST, WRITE_POLICIES, HiCacheSim, InMemorySharedPool, SimConfig, _NONE,
 )
@@ -107,10 +108,24 @@ class Harness:
         return summary(events)
 
 
-def make(policy=WT, **kw):
+def cost(prefill_s_per_token=0.0001, load_back_s_per_page=0.00005, l3_s_per_page=0.0002) -> CostModel:
+    """A cost model in the units these tests think in (seconds per token or per page of PS
+    tokens); decode costs nothing."""
+    kv = 250_000_000  # bytes per token: a page of PS = 4 tokens is 1 GB
+    page_gb = kv * PS / 1e9
+    def rate(per_unit: float) -> float:
+        return 1 / per_unit if per_unit else float("inf")
+
+    return CostModel(kv_bytes_per_token=kv, prefill_tokens_per_s=rate(prefill_s_per_token),
+                     host_to_device_gb_s=page_gb * rate(load_back_s_per_page), l3_read_gb_s=page_gb * rate(l3_s_per_page),
+                     weight_bytes=0.0, hbm_gb_s=1e9)
+
+
+def make(policy=WT, prefill_s_per_token=0.0001, load_back_s_per_page=0.00005, **kw):
     kw.setdefault("page_size", PS)
     kw.setdefault("dma_delay_s", 0.002)
-    return Harness(HiCacheSim(SimConfig(write_policy=policy, **kw)))
+    return Harness(HiCacheSim(SimConfig(write_policy=policy, cost=cost(prefill_s_per_token, load_back_s_per_page),
+                                        **kw)))
 
 
 # --- exact sequences per policy ---------------------------------------------------------------
@@ -308,8 +323,8 @@ def test_dropping_a_page_takes_its_host_only_descendants():
 # --- L3 -----------------------------------------------------------------------------------------
 def test_l3_prefetch_across_two_sims():
     pool = InMemorySharedPool()
-    cfg = dict(page_size=PS, device_pages=8, host_pages=8, l3=True, prefill_s_per_token=0.001,
-               load_back_s_per_page=0.0001, l3_s_per_page=0.0005)
+    cfg = dict(page_size=PS, device_pages=8, host_pages=8, l3=True,
+               cost=cost(prefill_s_per_token=0.001, load_back_s_per_page=0.0001, l3_s_per_page=0.0005))
     wa, wb = Harness(HiCacheSim(SimConfig(**cfg), pool)), Harness(HiCacheSim(SimConfig(**cfg), pool))
     X = list(range(300, 314))  # three pages and a partial one
     x0, x1, x2 = sglang_block_hashes(X, PS)

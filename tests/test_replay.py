@@ -413,7 +413,7 @@ def test_score_terms_are_the_logits():
         t = scoring.score_terms(10, c, weights)
         assert scoring.logits(10, [c], weights) == [t.logit]
         assert t.credit == scoring.cache_credit(overlap, weights)
-        assert t.credit == t.device_credit + t.host_credit + t.disk_credit + t.shared_credit
+        assert t.credit == t.device_credit + t.host_credit + t.disk_credit + t.shared_credit + t.predicted_credit
         assert t.prefill_blocks == 10 + prefill and t.adjusted == max(t.prefill_blocks - t.credit, 0)
         assert t.logit == weights.prefill_load_scale * t.adjusted + t.decode_blocks
 

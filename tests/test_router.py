@@ -49,10 +49,10 @@ def test_walk_counts_device_prefix_then_host_then_disk(redis_client, redis_serve
         assert status == 200, body
         got = {w: c["overlap"] for w, c in by_worker(body).items()}
         assert got == {
-            "tiered": {"device": 3, "host": 2, "disk": 1, "shared_beyond": 0},
-            "gappy": {"device": 2, "host": 3, "disk": 0, "shared_beyond": 0},
-            "orphan": {"device": 0, "host": 0, "disk": 0, "shared_beyond": 0},
-            "cold": {"device": 0, "host": 0, "disk": 0, "shared_beyond": 0},
+            "tiered": {"device": 3, "host": 2, "disk": 1, "shared_beyond": 0, "predicted": 0},
+            "gappy": {"device": 2, "host": 3, "disk": 0, "shared_beyond": 0, "predicted": 0},
+            "orphan": {"device": 0, "host": 0, "disk": 0, "shared_beyond": 0, "predicted": 0},
+            "cold": {"device": 0, "host": 0, "disk": 0, "shared_beyond": 0, "predicted": 0},
         }
         # 10 pages - (3 + 0.75*2 + 0.25*1) = 5.25 ; gappy 10 - (2 + 2.25) = 5.75
         assert body["worker_id"] == "tiered" and body["logit"] == 5.25

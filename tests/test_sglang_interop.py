@@ -192,7 +192,7 @@ def overlaps(router: RouterProcess, tokens: list[int]) -> tuple[str, dict[str, d
 
 
 def tiers(device=0, host=0, disk=0) -> dict:
-    return {"device": device, "host": host, "disk": disk, "shared_beyond": 0}
+    return {"device": device, "host": host, "disk": disk, "shared_beyond": 0, "predicted": 0}
 
 
 @pytest.mark.parametrize("encoding", ["map", "array"], ids=["map-0.5.23", "array-0.5.19"])

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kvtier.bench.replay import TraceRequest, block_tokens, infinite_cache_bound, load_trace, trace_tokens
+from kvtier.bench.bounds import infinite_cache
+from kvtier.bench.trace import TraceRequest, block_tokens, load_trace, prepare, trace_tokens
 from kvtier.consumers.apply import read_worker_pages
 from kvtier.embedded import free_port
 from kvtier.producers.sim_worker import free_port_block
@@ -75,7 +76,7 @@ def test_trace_tokens_keep_prefix_sharing_and_lengths(tmp_path):
     assert ta[:512] == tb[:512] and ta[512:] != tb[512:700]
     assert trace_tokens(a) == ta  # deterministic
     # b reuses a's first block: 8 pages of 64; everything else is recomputed
-    assert infinite_cache_bound([a, b], 64) == 700 + (1024 - 512)
+    assert infinite_cache(prepare([a, b], 64), 64).recomputed_tokens == 700 + (1024 - 512)
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
                                           "output_length": r.output_length, "hash_ids": r.hash_ids}) for r in (a, b)))
@@ -111,8 +112,8 @@ def test_policies_order_as_the_formula_predicts(tmp_path):
     crafted_trace(trace)
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "bench", "replay", "--trace", str(trace), "--workers", "2",
-         "--page-size", "64", "--device-pages", "56", "--host-pages", "2048", "--time-scale", "4",
-         "--policies", "round_robin,device_only,tier_aware", "--no-l3", "--json"],
+         "--page-size", "64", "--device-pages", "56", "--host-pages", "2048",
+         "--policies", "round_robin,device_only,tier_aware,oracle", "--no-l3", "--json"],
         capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,16 +122,25 @@ def test_policies_order_as_the_formula_predicts(tmp_path):
     assert p["tier_aware"]["hit_tokens"]["host"] > p["device_only"]["hit_tokens"]["host"], p
     assert p["tier_aware"]["recomputed_tokens"] < p["device_only"]["recomputed_tokens"], p
     assert p["tier_aware"]["recomputed_tokens"] < p["round_robin"]["recomputed_tokens"], p
-    assert p["tier_aware"]["ratio_to_bound"] >= 1.0
+    assert p["tier_aware"]["recomputed_tokens"] >= report["bounds"]["infinite"]["recomputed_tokens"]
+    # through the real pipeline, lockstep: nothing degraded, and beside the oracle
+    assert p["tier_aware"]["via"] == "pipeline" and p["tier_aware"]["degraded_decisions"] == 0
+    assert report["mode"] == "lockstep" and "oracle" in p
 
 
 def test_demo_completes_and_writes_its_report(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--requests", "40", "--workers", "2",
-                          "--time-scale", "40", "--out", str(tmp_path)], capture_output=True, text=True, timeout=170)
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--requests", "60", "--workers", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["policies"]) == {"random", "round_robin", "least_load", "device_only", "tier_aware",
-                                       "tier_aware_shared"}
-    assert all(r["requests"] == 40 for r in report["policies"].values())
+                                       "tier_aware_shared", "oracle"}
+    assert report["via"]["tier_aware_shared"] == "pipeline" and report["via"]["device_only"] == "pipeline"
+    assert all(r["requests"] == 60 and r["degraded_decisions"] == 0 for r in report["policies"].values())
+    assert set(report["bounds"]) == {"infinite", "pooled_lru"}
+    # the sweep: host pool 0/2/4/8 with and without L3 (no L3 without a host pool), a verdict each
+    assert [(p["host_ratio"], p["l3"]) for p in report["sweep"]] == [(2, True), (4, True), (8, True), (0, False),
+                                                                     (2, False), (4, False), (8, False)]
+    assert all(p["verdict"] for p in report["sweep"])
     assert (tmp_path / "policies.png").stat().st_size > 10_000
-    assert "tier_aware_shared" in out.stdout and "infinite cache" in out.stdout
+    assert "verdict:" in out.stdout and "infinite cache" in out.stdout and "host:device" in out.stdout

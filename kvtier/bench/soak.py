@@ -50,7 +50,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from kvtier.bench.processes import KvtierSubprocess, wait_http
-from kvtier.bench.replay import SAMPLE_TRACE, TraceRequest, load_trace
+from kvtier.bench.trace import SAMPLE_TRACE, TraceRequest, load_trace
 
 MODEL = "soak"
 TRACE_BLOCK_TOKENS = 512

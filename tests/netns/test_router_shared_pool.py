@@ -52,8 +52,8 @@ def test_worked_example_with_a_real_shared_pool(redis_server, mooncake_master, s
         status, body, headers = router.route(MODEL, tokens, book=False)
         assert status == 200 and "X-Kvtier-Degraded" not in headers, body
         got = candidates(body)
-        assert got["W0"]["overlap"] == {"device": 2, "host": 0, "disk": 0, "shared_beyond": 2}
-        assert got["W1"]["overlap"] == {"device": 0, "host": 0, "disk": 0, "shared_beyond": 4}
+        assert got["W0"]["overlap"] == {"device": 2, "host": 0, "disk": 0, "shared_beyond": 2, "predicted": 0}
+        assert got["W1"]["overlap"] == {"device": 0, "host": 0, "disk": 0, "shared_beyond": 4, "predicted": 0}
         assert (got["W0"]["logit"], got["W1"]["logit"]) == (1.0, 2.0)
         assert body["worker_id"] == "W0"
         # multiplier 0 queries the pool but ignores it: W0 = 4 - 2 = 2, W1 = 4

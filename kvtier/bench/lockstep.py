@@ -1,0 +1,195 @@
+"""The lockstep replay: a trace through a simulated cluster, one request at a time, on the
+trace's clock only. Same trace, policy and seed => the same result on any machine at any
+speed: nothing here reads a wall clock, and a policy that goes through the real pipeline
+(kvtier/bench/pipeline.py) waits until the pipeline has caught up before each decision.
+
+Per request, at its arrival time t:
+  1. the cluster lands the device->host copies due by t;
+  2. the ground truth is read (every rank's tiers and true queued work);
+  3. the policy decides (a pipeline policy first lets through the events due by
+     t - visibility lag and waits until routers can see them);
+  4. the chosen rank serves the request (simulated TTFT from the cost model).
+
+Beside each decision the oracle's choice on the same ground truth is recorded, and when the
+policy chose otherwise, why (`reason_for`), so a reader sees where the available gain goes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from kvtier.bench.policies import CandidateView, Decision, Policy, oracle_choice
+from kvtier.bench.trace import PreparedRequest
+from kvtier.producers.sim_cluster import ClusterShape, RankTruth, SimCluster
+from kvtier.schemas.routing import ScoringWeights
+
+#: Why a policy did not choose the oracle's rank (breakdown keys, in the order they are tested).
+REASONS = {
+    "same": "chose the oracle's worker (or one the oracle scores the same)",
+    "degraded": "the decision was degraded (state store, shared pool or stale workers)",
+    "missing": "the oracle's worker was not a candidate (stale, expired or unknown)",
+    "not_yet_visible": "the oracle's worker holds more of the prefix than the router could see yet",
+    "overstated": "the router saw more cache on some worker than it really had (removals not yet visible)",
+    "shared_pool": "the router saw the shared pool differently",
+    "load": "same cache view, but booked load differs from the true queued work",
+    "tie": "a tie broken differently",
+}
+
+
+@dataclass
+class RequestOutcome:
+    rank: int
+    oracle_rank: int
+    reason: str
+    ttft_s: float
+    queue_s: float
+    service_s: float
+    recomputed_tokens: int
+    hit_pages: tuple[int, int, int]  # device, host, L3
+    degraded: bool
+
+
+@dataclass
+class RunResult:
+    policy: str
+    shape: ClusterShape
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    prompt_tokens: int = 0
+    span_s: float = 0.0
+    utilisation: list[float] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)  # each rank's prefill seconds, as its engine counted them
+
+    def cost_check(self) -> dict:
+        """The replay's own accounting against the cost model (docs/COST_MODEL.md)."""
+        service = [0.0] * self.shape.workers
+        for o in self.outcomes:
+            service[o.rank] += o.service_s
+        return {
+            "max_utilisation": round(max(self.utilisation), 3) if self.utilisation else None,
+            "saturated_workers": sum(u >= 1.0 for u in self.utilisation),
+            "ttft_at_least_service": all(o.ttft_s >= o.service_s - 1e-9 for o in self.outcomes),
+            "busy_equals_service": all(abs(b - s) <= 1e-6 * max(1.0, s) for b, s in zip(self.busy_s, service)),
+        }
+
+    def summary(self) -> dict:
+        recomputed = sum(o.recomputed_tokens for o in self.outcomes)
+        ttft = sorted(o.ttft_s for o in self.outcomes) or [0.0]
+        counts = [0] * self.shape.workers
+        for o in self.outcomes:
+            counts[o.rank] += 1
+        mean = statistics.fmean(counts)
+        page = self.shape.page_size
+        hits = {tier: sum(o.hit_pages[i] for o in self.outcomes) * page for i, tier in enumerate(("device", "host", "l3"))}
+        reasons = {name: 0 for name in REASONS}
+        for o in self.outcomes:
+            reasons[o.reason] += 1
+        return {
+            "requests": len(self.outcomes),
+            "recomputed_tokens": recomputed,
+            "reused_pct": round(100 * (1 - recomputed / self.prompt_tokens), 2) if self.prompt_tokens else 0.0,
+            "hit_tokens": hits,
+            "ttft_p50_ms": round(percentile(ttft, 0.5) * 1000, 1),
+            "ttft_p99_ms": round(percentile(ttft, 0.99) * 1000, 1),
+            "ttft_mean_ms": round(statistics.fmean(ttft) * 1000, 1),
+            "imbalance": round(max(counts) / mean, 3) if mean else None,
+            "cost_check": self.cost_check(),
+            "degraded_decisions": sum(o.degraded for o in self.outcomes),
+            "oracle_agreement_pct": round(100 * reasons["same"] / len(self.outcomes), 1) if self.outcomes else 0.0,
+            "breakdown": reasons,
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The value at rank ceil(q * n) (nearest rank), so p99 of 100 values is the 99th."""
+    if not sorted_values:
+        return 0.0
+    index = math.ceil(round(q * len(sorted_values), 9)) - 1
+    return sorted_values[max(0, min(len(sorted_values) - 1, index))]
+
+
+def _credit(c: CandidateView, weights: ScoringWeights) -> float:
+    o = c.overlap
+    return (weights.overlap_score_credit * o.device + weights.host_cache_hit_weight * o.host
+            + weights.disk_cache_hit_weight * o.disk + weights.shared_cache_multiplier * o.shared_beyond)
+
+
+def reason_for(decision: Decision, oracle_rank: int, oracle_seen: list[CandidateView], weights: ScoringWeights,
+               shared: bool) -> str:
+    """Why `decision` differs from the oracle's choice (REASONS)."""
+    truth = {c.rank: c for c in oracle_seen}
+    if decision.rank == oracle_rank or truth[decision.rank].logit == truth[oracle_rank].logit:
+        return "same"
+    if decision.degraded:
+        return "degraded"
+    if decision.seen is None:
+        return "load"  # a cache-blind policy: its choice is all it has
+    seen = {c.rank: c for c in decision.seen}
+    if oracle_rank not in seen:
+        return "missing"
+    cache_weights = weights if shared else _no_shared(weights)
+    for rank in (oracle_rank, decision.rank):
+        s, t = seen[rank], truth[rank]
+        local_seen = (s.overlap.device, s.overlap.host, s.overlap.disk)
+        local_true = (t.overlap.device, t.overlap.host, 0)
+        if local_seen != local_true:
+            if _credit(s, _no_shared(cache_weights)) < _credit(t, _no_shared(cache_weights)):
+                return "not_yet_visible"
+            return "overstated"
+    if shared and any(seen[r].overlap.shared_beyond != truth[r].overlap.shared_beyond for r in seen):
+        return "shared_pool"
+    if seen[oracle_rank].logit == seen[decision.rank].logit:
+        return "tie"
+    return "load"
+
+
+def _no_shared(weights: ScoringWeights) -> ScoringWeights:
+    import msgspec
+
+    return msgspec.structs.replace(weights, shared_cache_multiplier=0.0)
+
+
+async def run_lockstep(policy: Policy, requests: list[PreparedRequest], shape: ClusterShape,
+                       oracle_weights: ScoringWeights, shared: bool, seed: int, progress=None) -> RunResult:
+    """Replay `requests` through `policy` on a fresh cluster (`policy.start` is given it).
+    `shared`: the oracle credits the shared pool. Token ids are computed only for policies
+    whose events leave the process (they carry them)."""
+    cluster = SimCluster(shape, emit_events=policy.needs_events, event_token_ids=policy.needs_tokens)
+    try:
+        await policy.start(cluster)
+        return await _replay(policy, cluster, requests, shape, oracle_weights, shared, seed, progress)
+    finally:
+        await policy.close()
+
+
+async def _replay(policy: Policy, cluster: SimCluster, requests: list[PreparedRequest], shape: ClusterShape,
+                  oracle_weights: ScoringWeights, shared: bool, seed: int, progress) -> RunResult:
+    oracle_rng = random.Random(seed)
+    result = RunResult(policy.name, shape)
+    for request in requests:
+        now = request.arrival_s
+        cluster.advance(now)
+        truth: list[RankTruth] = cluster.truth(request.digests, now)
+        oracle_rank, oracle_seen = oracle_choice(request, truth, oracle_weights, shared, oracle_rng.random())
+        tokens = request.token_ids() if policy.needs_tokens else None
+        decision = await policy.decide(request, now, cluster, truth, tokens)
+        served = cluster.serve(decision.rank, tokens if tokens is not None else range(request.input_tokens), now,
+                               request.output_tokens, request.digests)
+        policy.served(request, decision, served, now)
+        result.outcomes.append(RequestOutcome(
+            rank=decision.rank, oracle_rank=oracle_rank,
+            reason=reason_for(decision, oracle_rank, oracle_seen, oracle_weights, shared),
+            ttft_s=served.ttft_s, queue_s=served.queue_s, service_s=served.service_s,
+            recomputed_tokens=served.recomputed_tokens,
+            hit_pages=(served.device_hit_pages, served.host_hit_pages, served.l3_hit_pages),
+            degraded=bool(decision.degraded)))
+        result.prompt_tokens += request.input_tokens
+        if progress is not None:
+            progress(policy.name, len(result.outcomes), len(requests))
+    result.span_s = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
+    result.utilisation = cluster.utilisation(result.span_s)
+    result.busy_s = [sim.engine.busy_s for sim in cluster.ranks]
+    return result
+

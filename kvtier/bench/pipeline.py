@@ -1,0 +1,253 @@
+"""A routing policy that goes through the real pipeline, in lockstep with the trace clock.
+
+The simulated ranks' KV events leave through SGLang's wire format (one ZMQ PUB and replay
+socket per rank, here in the driver), and everything after that is the real thing: `kvtier
+bridge --dp-size N` -> JetStream -> `kvtier processor` -> Redis -> two `kvtier router`
+replicas answering `/v1/route` over HTTP. For `tier_aware_shared` the driver also answers the
+routers' Mooncake existence queries from the simulated L3 pool.
+
+Before each decision at trace time t:
+  1. the bookings whose simulated first token or completion is due by t are released;
+  2. every event batch due by t - visibility lag is published, and the driver waits until
+     each rank's state in Redis has applied it (`source_seq`, the engine seq the processor
+     last applied), so the routers see exactly that much: no more, no less, however slow
+     the machine;
+  3. the next router replica (round robin over the two) is asked.
+The routers are seeded (`--seed`), so their tie-breaking draws are the same in every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvtier.bench.policies import CandidateView, Decision, worker_id
+from kvtier.bench.processes import KvtierSubprocess, wait_http
+from kvtier.bench.trace import PreparedRequest
+from kvtier.producers.sim_cluster import SimCluster
+from kvtier.schemas.routing import TierOverlap
+from kvtier.schemas.state_keys import ModelKeys
+
+#: How long the driver waits for the pipeline to apply a batch before calling it broken.
+CATCH_UP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class PipelineStack:
+    """The servers every routed policy shares: nats-server, Redis, one processor."""
+
+    nats_url: str
+    redis_url: str
+    log_dir: str
+
+
+@dataclass(order=True)
+class _Release:
+    at: float
+    seq: int
+    request_id: str = field(compare=False)
+    stage: str = field(compare=False)
+
+
+class PipelinePolicy:
+    needs_events = True
+    needs_tokens = True
+
+    def __init__(self, name: str, stack: PipelineStack, workers: int, page_size: int, visibility_lag_s: float,
+                 seed: int, router_args: list[str] = (), overrides: dict | None = None, shared: bool = False,
+                 replicas: int = 2):
+        self.name = name
+        self.model = f"replay-{name}"
+        self.stack = stack
+        self.workers = workers
+        self.page_size = page_size
+        self.lag = visibility_lag_s
+        self.seed = seed
+        self.router_args = list(router_args)
+        self.overrides = overrides
+        self.shared = shared
+        self.replicas = replicas
+        self.procs: list[KvtierSubprocess] = []
+        self.publishers = []
+        self.routers: list[str] = []
+        self.session = None
+        self.redis = None
+        self._pool_runner = None
+        self._releases: list[_Release] = []
+        self._seq = itertools.count()
+        self._published = [-1] * workers  # last engine seq published per rank
+        self._state_keys = [ModelKeys.for_model(self.model).state(worker_id(r)) for r in range(workers)]
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self, cluster: SimCluster) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        from kvtier.connections import redis_async_client
+        from kvtier.embedded import free_port
+        from kvtier.producers.sglang_publisher import SglangEventPublisher
+        from kvtier.producers.sim_worker import free_port_block, pool_query_response
+
+        zmq_base, replay_base = free_port_block(self.workers), free_port_block(self.workers)
+        self.publishers = [SglangEventPublisher(f"tcp://127.0.0.1:{zmq_base + r}",
+                                                f"tcp://127.0.0.1:{replay_base + r}", attn_dp_rank=r)
+                           for r in range(self.workers)]
+        log_dir = self.stack.log_dir
+        router_args = ["--redis", self.stack.redis_url, "--nats", self.stack.nats_url, "--log-level", "WARNING",
+                       "--booking-ttl", "86400", "--state-timeout-ms", "30000", *self.router_args]
+        if self.shared:
+            app = web.Application()
+            async def query(request):
+                return pool_query_response(cluster.pool, request)
+
+            app.router.add_get("/batch_query_keys", query)
+            self._pool_runner = web.AppRunner(app, access_log=None)
+            await self._pool_runner.setup()
+            pool_port = free_port()
+            await web.TCPSite(self._pool_runner, "127.0.0.1", pool_port).start()
+            router_args += ["--shared-cache-type", "hicache", "--mooncake-master", f"http://127.0.0.1:{pool_port}",
+                            "--shared-cache-timeout-ms", "30000"]
+        self.procs.append(KvtierSubprocess(
+            ["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
+             f"tcp://127.0.0.1:{replay_base}", "--worker-id", "sim", "--model", self.model, "--page-size",
+             str(self.page_size), "--dp-size", str(self.workers), "--nats", self.stack.nats_url,
+             "--hicache-storage-backend", "mooncake", "--heartbeat", "1", "--log-level", "WARNING"],
+            log_dir, f"{self.name}-bridge"))
+        for r in range(self.replicas):
+            port = free_port()
+            self.procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{self.name}-{r}",
+                                                "--seed", str(self.seed + r), *router_args],
+                                               log_dir, f"{self.name}-router{r}"))
+            self.routers.append(f"http://127.0.0.1:{port}")
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=120, sock_read=120)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout)
+        for url in self.routers:
+            await wait_http(self.session, url + "/healthz", self.procs, timeout=60)
+        self.redis = redis_async_client(self.stack.redis_url)
+        keys = ModelKeys.for_model(self.model)
+        deadline = time.monotonic() + 60
+        # Every worker announced and the model's state ready (a first model in a fresh store is
+        # set up by the processor first; routers would answer "state-store-rebuilding" meanwhile).
+        while not await self._ready(keys):
+            self._check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: the bridge's {self.workers} workers did not announce, or the "
+                                   f"model's state was not ready, within 60s (logs in {log_dir})")
+            await asyncio.sleep(0.05)
+
+    async def _ready(self, keys: ModelKeys) -> bool:
+        marker = await self.redis.hgetall(keys.incarnation)
+        return (await self.redis.zcard(keys.leases) >= self.workers and marker.get(b"ready") == b"1"
+                and marker.get(b"rebuilding") != b"1")
+
+    async def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        for publisher in self.publishers:
+            publisher.close()
+        if self.session is not None:
+            await self.session.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+        if self._pool_runner is not None:
+            await self._pool_runner.cleanup()
+
+    def _check(self) -> None:
+        for p in self.procs:
+            p.check()
+
+    # --- one decision ----------------------------------------------------------------------
+    async def _post(self, url: str, body: dict) -> dict:
+        async with self.session.post(url, json=body) as response:
+            answer = await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"{self.name}: {url} answered {response.status}: {answer}")
+            return answer
+
+    async def _release_due(self, now: float) -> None:
+        due: dict[str, str] = {}
+        while self._releases and self._releases[0].at <= now:
+            r = heapq.heappop(self._releases)
+            if due.get(r.request_id) != "complete":  # completion gives back everything, first token included
+                due[r.request_id] = r.stage
+        if due:
+            await asyncio.gather(*(self._post(self.routers[0] + "/v1/release",
+                                              {"model": self.model, "request_id": request_id, "stage": stage})
+                                   for request_id, stage in due.items()))
+
+    async def _publish_and_catch_up(self, cluster: SimCluster, now: float) -> None:
+        for rank, publisher in enumerate(self.publishers):
+            for events in cluster.events_until(rank, now - self.lag):
+                self._published[rank] = publisher.publish(events)
+        waiting = [r for r in range(self.workers) if self._published[r] >= 0]
+        deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
+        while waiting:
+            pipe = self.redis.pipeline(transaction=False)
+            for rank in waiting:
+                pipe.hget(self._state_keys[rank], "source_seq")
+            applied = await pipe.execute()
+            waiting = [r for r, seq in zip(waiting, applied) if seq is None or int(seq) < self._published[r]]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                self._check()
+                raise RuntimeError(f"{self.name}: the pipeline did not apply ranks {waiting} within "
+                                   f"{CATCH_UP_TIMEOUT_S:.0f}s (logs in {self.stack.log_dir})")
+            await asyncio.sleep(0.0005)
+
+    async def decide(self, request: PreparedRequest, now: float, cluster: SimCluster, truth,
+                     tokens: list[int] | None = None) -> Decision:
+        await self._release_due(now)
+        await self._publish_and_catch_up(cluster, now)
+        body = {"model": self.model, "token_ids": tokens, "request_id": f"req-{request.index}",
+                "max_new_tokens": request.output_tokens}
+        if self.overrides:
+            body["overrides"] = self.overrides
+        answer = await self._post(self.routers[request.index % len(self.routers)] + "/v1/route", body)
+        seen = [CandidateView(rank_of(c["worker_id"]), TierOverlap(**c["overlap"]), c["prefill_load"],
+                              c["decode_load"], c["logit"]) for c in answer["candidates"]]
+        return Decision(rank_of(answer["worker_id"]), seen, list(answer.get("degraded") or []))
+
+    def served(self, request: PreparedRequest, decision: Decision, result, now: float) -> None:
+        request_id = f"req-{request.index}"
+        heapq.heappush(self._releases, _Release(now + result.ttft_s, next(self._seq), request_id, "first_token"))
+        heapq.heappush(self._releases, _Release(result.complete_at, next(self._seq), request_id, "complete"))
+
+
+def rank_of(worker: str) -> int:
+    return int(worker.rsplit("-dp", 1)[1])
+
+
+class running_stack:
+    """`with running_stack(log_dir) as stack:` embedded nats-server and Redis and one
+    `kvtier processor`, stopped (by PID) on exit."""
+
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        self._servers = []
+        self._processor: KvtierSubprocess | None = None
+
+    def __enter__(self) -> PipelineStack:
+        from kvtier.embedded import NatsServer, RedisServer
+
+        try:
+            nats_server = NatsServer()
+            self._servers.append(nats_server.__enter__())
+            redis_server = RedisServer()
+            self._servers.append(redis_server.__enter__())
+            self._processor = KvtierSubprocess(["processor", "--nats", nats_server.url, "--redis", redis_server.url,
+                                                "--partitions", "auto", "--log-level", "WARNING"],
+                                               self.log_dir, "processor")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return PipelineStack(nats_server.url, redis_server.url, self.log_dir)
+
+    def __exit__(self, *exc) -> None:
+        if self._processor is not None:
+            self._processor.stop()
+        for server in reversed(self._servers):
+            server.__exit__(None, None, None)

@@ -1,0 +1,297 @@
+"""Routing policies a lockstep replay (kvtier/bench/lockstep.py) can run, all behind one
+interface: at a request's arrival, pick a rank, and say what was seen.
+
+In process (no servers):
+- `random`, `round_robin`: the baselines.
+- `oracle`: kvtier's scoring formula (router/scoring.py) at the same weights, evaluated on the
+  simulator's ground truth at arrival: every rank's true tiers per page and its true queued
+  prefill and decode work. kvtier's own policy with perfect, instant information.
+- `RouterModel`: the router's decision on the information the pipeline would give it, computed
+  in process: tier state built from the events published up to (now - visibility lag),
+  the shared pool asked live, loads from bookings released at first token and completion,
+  candidates in worker-id order and the same random draws. It is what `kvtier bench replay`
+  measures through the real pipeline (kvtier/bench/pipeline.py); a test holds the two to the
+  same decisions, and `kvtier tune` searches weights on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.bench.trace import PreparedRequest
+from kvtier.producers.hicache_sim import ServeResult
+from kvtier.producers.sim_cluster import RankTruth, SimCluster
+from kvtier.router import scoring
+from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
+from kvtier.schemas.routing import ScoringWeights, TierOverlap
+from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
+from kvtier.schemas.tiers import Tier, tier_of_medium
+
+#: Per-request overrides of the `device_only` policy (scoring ignores every other tier).
+DEVICE_ONLY = {"host_cache_hit_weight": 0.0, "disk_cache_hit_weight": 0.0, "shared_cache_multiplier": 0.0}
+#: The router's cache-blind mode (`--router-mode load`): every cache weight zero.
+LOAD_ONLY = {"overlap_score_credit": 0.0, **DEVICE_ONLY}
+
+
+@dataclass(frozen=True)
+class CandidateView:
+    """What a policy saw of one rank when it decided (pages)."""
+
+    rank: int
+    overlap: TierOverlap
+    prefill_load: int
+    decode_load: int
+    logit: float
+
+
+@dataclass
+class Decision:
+    rank: int
+    seen: list[CandidateView] | None = None  # None: a policy that looks at nothing
+    degraded: list[str] = field(default_factory=list)
+
+
+class Policy(Protocol):
+    name: str
+    #: The policy reads the simulator's KV events.
+    needs_events: bool
+    #: ... and they leave the process, so they must carry the requests' real token ids.
+    needs_tokens: bool
+
+    async def start(self, cluster: SimCluster) -> None: ...
+
+    async def decide(self, request: PreparedRequest, now: float, cluster: SimCluster,
+                     truth: list[RankTruth], tokens: list[int] | None = None) -> Decision:
+        """`tokens`: the request's token ids, given to policies that need events."""
+
+    def served(self, request: PreparedRequest, decision: Decision, result: ServeResult, now: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _Blind:
+    needs_events = False
+    needs_tokens = False
+
+    async def start(self, cluster) -> None:
+        pass
+
+    def served(self, request, decision, result, now) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class RandomPolicy(_Blind):
+    name = "random"
+
+    def __init__(self, workers: int, seed: int):
+        self.workers = workers
+        self.rng = random.Random(seed)
+
+    async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
+        return Decision(self.rng.randrange(self.workers))
+
+
+class RoundRobinPolicy(_Blind):
+    name = "round_robin"
+
+    def __init__(self, workers: int):
+        self.workers = workers
+
+    async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
+        return Decision(request.index % self.workers)
+
+
+def truth_candidates(truth: list[RankTruth], shared: bool) -> list[scoring.CandidateInputs]:
+    return [scoring.CandidateInputs(str(rank), TierOverlap(device=t.device, host=t.host,
+                                                            shared_beyond=t.shared_beyond if shared else 0),
+                                    t.prefill_pages, t.decode_pages)
+            for rank, t in enumerate(truth)]
+
+
+def seen_of(candidates: list[scoring.CandidateInputs], ranks: list[int], logits: list[float]) -> list[CandidateView]:
+    return [CandidateView(rank, c.overlap, c.prefill_load, c.decode_load, logit)
+            for rank, c, logit in zip(ranks, candidates, logits)]
+
+
+def oracle_choice(request: PreparedRequest, truth: list[RankTruth], weights: ScoringWeights, shared: bool,
+                  u: float) -> tuple[int, list[CandidateView]]:
+    candidates = truth_candidates(truth, shared)
+    scored = scoring.score(len(request.digests), candidates, weights, u)
+    return scored.chosen, seen_of(candidates, list(range(len(truth))), scored.logits)
+
+
+class OraclePolicy(_Blind):
+    name = "oracle"
+
+    def __init__(self, weights: ScoringWeights, shared: bool, seed: int):
+        self.weights = weights
+        self.shared = shared
+        self.rng = random.Random(seed)
+
+    async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
+        rank, seen = oracle_choice(request, truth, self.weights, self.shared, self.rng.random())
+        return Decision(rank, seen)
+
+
+# --- the router, modelled in process ------------------------------------------------------------
+class TierView:
+    """One rank's tier state as the processor would have written it: page -> tier bits."""
+
+    def __init__(self) -> None:
+        self.pages: dict[BlockHash, int] = {}
+
+    def apply(self, events) -> None:
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self.pages.clear()
+                continue
+            bit = tier_of_medium(event.medium).bit
+            if isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    self.pages[h] = self.pages.get(h, 0) | bit
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    bits = self.pages.get(h, 0) & ~bit
+                    if bits:
+                        self.pages[h] = bits
+                    else:
+                        self.pages.pop(h, None)
+
+    def walk(self, hashes: list[BlockHash], predicted: dict[BlockHash, int] | None = None
+             ) -> tuple[int, int, int, int]:
+        """(device, host, disk, predicted) as router/read_overlap.lua walks them: the prefix
+        on device or predicted (each page counted where it is found, device first), then
+        host, then disk."""
+        device = guess = 0
+        position, n = 0, len(hashes)
+        bit = Tier.DEVICE.bit
+        while position < n:
+            h = hashes[position]
+            if self.pages.get(h, 0) & bit:
+                device += 1
+            elif predicted and h in predicted:
+                guess += 1
+            else:
+                break
+            position += 1
+        counts = [0, 0]
+        for slot, tier in enumerate((Tier.HOST, Tier.DISK)):
+            bit = tier.bit
+            while position < n and self.pages.get(hashes[position], 0) & bit:
+                counts[slot] += 1
+                position += 1
+        return device, counts[0], counts[1], guess
+
+
+@dataclass(order=True)
+class _Release:
+    at: float
+    seq: int
+    rank: int = field(compare=False)
+    prefill: int = field(compare=False)
+    decode: int = field(compare=False)
+    predicted: list[BlockHash] = field(compare=False, default_factory=list)
+
+
+class RouterModel:
+    """kvtier's router on what the pipeline shows it, in process (see the module docstring)."""
+
+    needs_events = True
+    needs_tokens = False
+
+    def __init__(self, name: str, workers: int, page_size: int, weights: ScoringWeights, shared: bool,
+                 visibility_lag_s: float, seed: int, replicas: int = 2, predicted: bool = True):
+        self.name = name
+        self.workers = workers
+        self.page_size = page_size
+        self.weights = weights
+        self.shared = shared
+        self.lag = visibility_lag_s
+        # The pipeline's routers: replica r draws from random.Random(seed + r), one draw a decision.
+        self.rngs = [random.Random(seed + r) for r in range(replicas)]
+        self.views = [TierView() for _ in range(workers)]
+        # Candidates in the router's order: sorted by worker id ("sim-dp10" before "sim-dp2").
+        self.order = sorted(range(workers), key=lambda r: worker_id(r))
+        self.prefill = [0] * workers
+        self.decode = [0] * workers
+        #: Booked pages not yet complete, per rank: page -> bookings holding it.
+        self.predicted: list[dict[BlockHash, int]] | None = [{} for _ in range(workers)] if predicted else None
+        self._releases: list[_Release] = []
+        self._seq = 0
+        self._booked: dict[int, tuple[int, int, list[BlockHash]]] = {}  # request -> (rank, prefill, predicted)
+
+    def _release_due(self, now: float) -> None:
+        while self._releases and self._releases[0].at <= now:
+            r = heapq.heappop(self._releases)
+            self.prefill[r.rank] -= r.prefill
+            self.decode[r.rank] -= r.decode
+            if r.predicted:
+                held = self.predicted[r.rank]
+                for h in r.predicted:
+                    if held[h] == 1:
+                        del held[h]
+                    else:
+                        held[h] -= 1
+
+    async def start(self, cluster) -> None:
+        pass
+
+    async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
+        self._release_due(now)
+        for rank, view in enumerate(self.views):
+            for events in cluster.events_until(rank, now - self.lag):
+                view.apply(events)
+        hashes = [block_hash_of_digest(d) for d in request.digests]
+        pooled = None
+        if self.shared and cluster.pool is not None:
+            pooled = [cluster.pool.contains(d) for d in request.digests]
+        candidates = []
+        for rank in self.order:
+            held = self.predicted[rank] if self.predicted is not None else None
+            device, host, disk, guess = self.views[rank].walk(hashes, held)
+            beyond = sum(pooled[device + guess:]) if pooled is not None else 0
+            overlap = TierOverlap(device=device, host=host, disk=disk, shared_beyond=beyond, predicted=guess)
+            candidates.append(scoring.CandidateInputs(worker_id(rank), overlap, self.prefill[rank], self.decode[rank]))
+        u = self.rngs[request.index % len(self.rngs)].random()
+        scored = scoring.score(len(hashes), candidates, self.weights, u)
+        chosen = self.order[scored.chosen]
+        seen = candidates[scored.chosen].overlap
+        prefill_pages = max(len(hashes) - seen.device - seen.predicted, 0)
+        self.prefill[chosen] += prefill_pages
+        self.decode[chosen] += decode_pages(request, self.page_size)
+        booked: list[BlockHash] = []
+        if self.predicted is not None:
+            booked = hashes[seen.device:]
+            held = self.predicted[chosen]
+            for h in booked:
+                held[h] = held.get(h, 0) + 1
+        self._booked[request.index] = (chosen, prefill_pages, booked)
+        return Decision(chosen, seen_of(candidates, self.order, scored.logits))
+
+    def served(self, request, decision, result, now) -> None:
+        rank, prefill_pages, booked = self._booked.pop(request.index)
+        first_token = now + result.ttft_s
+        self._seq += 1
+        heapq.heappush(self._releases, _Release(first_token, self._seq, rank, prefill_pages, 0))
+        self._seq += 1
+        heapq.heappush(self._releases, _Release(result.complete_at, self._seq, rank, 0,
+                                                decode_pages(request, self.page_size), booked))
+
+    async def close(self) -> None:
+        pass
+
+
+def worker_id(rank: int) -> str:
+    """The worker id `kvtier bridge --worker-id sim --dp-size N` gives rank r."""
+    return f"sim-dp{rank}"
+
+
+def decode_pages(request: PreparedRequest, page_size: int) -> int:
+    """What a router books as decode load: prompt plus expected output, in pages."""
+    return -(-(request.input_tokens + request.output_tokens) // page_size)

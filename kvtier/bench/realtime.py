@@ -1,0 +1,253 @@
+"""`kvtier bench replay --realtime`: the trace replayed on the wall clock, through the live
+pipeline, to measure the pipeline itself (decision latency, lag, degraded decisions).
+
+Requests are sent at their trace times divided by `--time-scale` to a `kvtier sim-worker`
+process (the simulated clock is the trace's, so TTFTs are in trace seconds); what each router
+sees depends on how far the pipeline has got on this machine at that moment, so these figures
+change with load. Routing quality is measured in lockstep (kvtier/bench/lockstep.py) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtier.bench.policies import DEVICE_ONLY
+from kvtier.bench.processes import KvtierSubprocess, wait_http
+from kvtier.bench.trace import TraceRequest, trace_tokens
+from kvtier.producers.cost_model import COST_FLAGS
+from kvtier.producers.sim_cluster import ClusterShape
+
+ROUTED = {"least_load", "device_only", "tier_aware", "tier_aware_shared"}
+
+
+def cost_flags(shape: ClusterShape) -> list[str]:
+    return [str(part) for name, flag, _ in COST_FLAGS for part in (flag, getattr(shape.cost, name))]
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    requests: int = 0
+    recomputed_tokens: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: dict = field(default_factory=lambda: {"device": 0, "host": 0, "l3": 0})
+    ttft_s: list = field(default_factory=list)
+    per_worker: dict = field(default_factory=dict)
+    route_s: list = field(default_factory=list)
+    wall_s: float = 0.0
+    degraded: int = 0
+
+    def summary(self) -> dict:
+        ttft = sorted(self.ttft_s) or [0.0]
+        counts = list(self.per_worker.values()) or [0]
+        mean = statistics.fmean(counts) if counts else 0
+        return {
+            "requests": self.requests,
+            "recomputed_tokens": self.recomputed_tokens,
+            "reused_pct": round(100 * (1 - self.recomputed_tokens / self.prompt_tokens), 2) if self.prompt_tokens else 0.0,
+            "hit_tokens": self.hit_tokens,
+            "ttft_p50_ms": round(statistics.median(ttft) * 1000, 1),
+            "ttft_p99_ms": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1000, 1),
+            "imbalance": round(max(counts) / mean, 3) if mean else None,
+            "decisions_per_s": round(self.requests / self.wall_s, 1) if self.wall_s else None,
+            "route_p50_ms": round(statistics.median(self.route_s) * 1000, 3) if self.route_s else None,
+            "degraded_decisions": self.degraded,
+        }
+
+
+async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterShape, time_scale: float,
+                     nats_url: str, redis_url: str, log_dir: str, seed: int,
+                     progress: Callable[[str, int, int], None] | None = None) -> PolicyResult:
+    import aiohttp
+    import redis as redis_sync
+
+    from kvtier.embedded import free_port
+    from kvtier.producers.sim_worker import free_port_block
+    from kvtier.schemas.state_keys import ModelKeys
+
+    model = f"replay-{policy}"
+    zmq_base = free_port_block(shape.workers)
+    replay_base = free_port_block(shape.workers)
+    sim_http = free_port()
+    procs: list[KvtierSubprocess] = []
+    result = PolicyResult(policy)
+    rng = random.Random(seed)
+    try:
+        sim_args = ["sim-worker", "--ranks", str(shape.workers), "--port", str(zmq_base), "--replay-port",
+                    str(replay_base), "--http-port", str(sim_http), "--page-size", str(shape.page_size),
+                    "--device-pages", str(shape.device_pages), "--host-pages", str(shape.host_pages),
+                    "--write-policy", shape.write_policy, "--dma-delay-ms", str(shape.dma_delay_s * 1000),
+                    *cost_flags(shape), "--log-level", "WARNING"]
+        if shape.l3:
+            sim_args += ["--l3", "--l3-pages", str(shape.l3_capacity)]
+        procs.append(KvtierSubprocess(sim_args, log_dir, f"{policy}-sim-worker"))
+        sim_url = f"http://127.0.0.1:{sim_http}"
+        routers: list[str] = []
+        if policy in ROUTED:
+            procs.append(KvtierSubprocess(["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
+                                f"tcp://127.0.0.1:{replay_base}", "--worker-id", "sim", "--model", model,
+                                "--page-size", str(shape.page_size), "--dp-size", str(shape.workers), "--nats",
+                                nats_url, "--hicache-storage-backend", "mooncake", "--heartbeat", "1",
+                                "--log-level", "WARNING"], log_dir, f"{policy}-bridge"))
+            router_args = ["--redis", redis_url, "--nats", nats_url, "--log-level", "WARNING"]
+            if policy == "least_load":
+                router_args += ["--router-mode", "load"]
+            if policy == "tier_aware_shared":
+                router_args += ["--shared-cache-type", "hicache", "--mooncake-master", sim_url,
+                                "--shared-cache-timeout-ms", "200"]
+            for r in range(2):
+                port = free_port()
+                procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}", *router_args],
+                                   log_dir, f"{policy}-router{r}"))
+                routers.append(f"http://127.0.0.1:{port}")
+        # An overloaded machine makes requests late, not wrong (the simulated clock is the
+        # trace's), so waits are generous rather than failures.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=300, sock_read=300)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as session:
+            await wait_http(session, sim_url + "/healthz", procs)
+            for url in routers:
+                await wait_http(session, url + "/healthz", procs)
+            if routers:
+                client = redis_sync.Redis.from_url(redis_url)
+                leases = ModelKeys.for_model(model).leases
+                deadline = time.monotonic() + 30
+                while client.zcard(leases) < shape.workers:
+                    for p in procs:
+                        p.check()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{policy}: workers did not announce within 30s")
+                    await asyncio.sleep(0.1)
+                client.close()
+            await _replay(policy, requests, shape, time_scale, session, sim_url, routers, rng, result, progress)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    return result
+
+
+async def _replay(policy, requests, shape, time_scale, session, sim_url, routers, rng, result, progress):
+    t0 = requests[0].timestamp / 1000.0
+    loop = asyncio.get_running_loop()
+    wall0 = loop.time()
+    done = 0
+    pending: set[asyncio.Task] = set()
+    stop_ticker = asyncio.Event()
+
+    def sim_now() -> float:
+        return t0 + (loop.time() - wall0) * time_scale
+
+    async def ticker():
+        # device->host copies complete in simulated time even while no request arrives
+        while not stop_ticker.is_set():
+            try:
+                async with session.post(sim_url + "/advance", json={"now": sim_now()}) as r:
+                    await r.read()
+            except Exception:  # noqa: BLE001 - best effort; the next request advances too
+                pass
+            await asyncio.sleep(0.02)
+
+    async def release_later(router: str, request_id: str, stage: str, delay_sim_s: float):
+        await asyncio.sleep(delay_sim_s / time_scale)
+        try:
+            async with session.post(router + "/v1/release", json={"model": f"replay-{policy}", "request_id": request_id,
+                                                                   "stage": stage}) as r:
+                await r.read()
+        except Exception:  # noqa: BLE001 - a lost release expires with its booking
+            pass
+
+    async def one(index: int, request: TraceRequest, arrival: float):
+        nonlocal done
+        tokens = trace_tokens(request)
+        started = time.perf_counter()
+        router = None
+        request_id = f"req-{index}"
+        if policy == "random":
+            rank = rng.randrange(shape.workers)
+        elif policy == "round_robin":
+            rank = index % shape.workers
+        else:
+            router = routers[index % len(routers)]
+            body = {"model": f"replay-{policy}", "token_ids": tokens, "request_id": request_id,
+                    "max_new_tokens": request.output_length}
+            if policy == "device_only":
+                body["overrides"] = DEVICE_ONLY
+            async with session.post(router + "/v1/route", json=body) as r:
+                decision = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"{policy}: route failed ({r.status}): {decision}")
+            if decision.get("degraded"):
+                result.degraded += 1
+            rank = int(decision["worker_id"].rsplit("-dp", 1)[1])
+        result.route_s.append(time.perf_counter() - started)
+        async with session.post(f"{sim_url}/w/{rank}/generate",
+                                json={"input_ids": tokens, "now": arrival,
+                                      "sampling_params": {"max_new_tokens": request.output_length}}) as r:
+            served = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"{policy}: sim-worker refused a request ({r.status}): {served}")
+        meta = served["meta_info"]
+        result.requests += 1
+        result.prompt_tokens += meta["prompt_tokens"]
+        result.recomputed_tokens += meta["recomputed_tokens"]
+        for tier in ("device", "host", "l3"):
+            result.hit_tokens[tier] += meta["cached_tokens_details"][tier]
+        result.ttft_s.append(meta["ttft_s"])
+        result.per_worker[rank] = result.per_worker.get(rank, 0) + 1
+        if router is not None:
+            ttft = meta["ttft_s"]
+            pending.add(asyncio.ensure_future(release_later(router, request_id, "first_token", ttft)))
+            pending.add(asyncio.ensure_future(release_later(router, request_id, "complete", meta["e2e_latency"])))
+        done += 1
+        if progress:
+            progress(policy, done, len(requests))
+
+    for p in range(shape.workers):
+        result.per_worker[p] = 0
+    tick = asyncio.ensure_future(ticker())
+    tasks = []
+    for index, request in enumerate(requests):
+        arrival = request.timestamp / 1000.0
+        delay = (arrival - t0) / time_scale - (loop.time() - wall0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(index, request, arrival)))
+    await asyncio.gather(*tasks)
+    result.wall_s = loop.time() - wall0
+    stop_ticker.set()
+    await tick
+    for task in pending:
+        task.cancel()
+
+
+async def replay_all(requests, shape, time_scale, policies, nats_url, redis_url, log_dir, seed, progress=None):
+    results = {}
+    for policy in policies:
+        result = await run_policy(policy, requests, shape, time_scale, nats_url, redis_url, log_dir, seed, progress)
+        results[policy] = result
+    return results
+
+
+def run_realtime(requests, shape, time_scale, policies, seed, progress=None, log_dir=None):
+    """Embedded nats-server + Redis + one processor, then every policy in turn."""
+    import tempfile
+
+    from kvtier.embedded import NatsServer, RedisServer
+
+    log_dir = log_dir or tempfile.mkdtemp(prefix="kvtier-replay-")
+    with NatsServer() as nats_server, RedisServer() as redis_server:
+        processor = KvtierSubprocess(["processor", "--nats", nats_server.url, "--redis", redis_server.url, "--partitions",
+                           "auto", "--log-level", "WARNING"], log_dir, "processor")
+        try:
+            import uvloop
+
+            return uvloop.run(replay_all(requests, shape, time_scale, policies, nats_server.url,
+                                         redis_server.url, log_dir, seed, progress)), log_dir
+        finally:
+            processor.stop()
+
+

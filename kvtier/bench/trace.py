@@ -1,0 +1,122 @@
+"""Mooncake-format traces: reading them, and turning their hash ids into token ids.
+
+The format is the Mooncake FAST'25 one: one JSON object per line with `timestamp` (ms),
+`input_length`, `output_length`, `hash_ids` (512-token blocks, equal ids = equal prefix).
+Token ids are derived deterministically from each hash id, so prefix sharing is kept; a
+request is cut to its `input_length`.
+"""
+
+from __future__ import annotations
+
+import array
+import gzip
+import hashlib
+import pathlib
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtier.schemas.hashes import PageDigest, sglang_page_digests
+
+TRACE_BLOCK_TOKENS = 512
+
+#: Traces shipped inside the package (kvtier/data/README.md says where they come from).
+DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
+#: The whole public Mooncake conversation trace (12,031 requests), gzipped.
+CONVERSATION_TRACE = DATA_DIR / "mooncake_conversation_trace.jsonl.gz"
+#: Its first 1,000 requests.
+SAMPLE_TRACE = DATA_DIR / "mooncake_trace_sample.jsonl"
+
+
+class TraceRequest(msgspec.Struct, frozen=True):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRequest]:
+    """A Mooncake-format JSONL trace (plain, or gzipped when the name ends in .gz), or
+    "synthetic[:SEED]": the high-reuse trace kvtier/bench/synth_trace.py generates."""
+    if str(path).startswith("synthetic"):
+        from kvtier.bench.synth_trace import generate
+
+        _, _, seed = str(path).partition(":")
+        try:
+            requests = generate(seed=int(seed) if seed else 1)
+        except ValueError:
+            raise ValueError(f"--trace {path}: synthetic takes an integer seed, e.g. synthetic:2") from None
+        return requests[:limit] if limit is not None else requests
+    decoder = msgspec.json.Decoder(TraceRequest)
+    requests = []
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        f = opener(path, "rb")
+    except FileNotFoundError:
+        raise ValueError(f"trace file {path} not found (traces shipped with kvtier: {CONVERSATION_TRACE.name} "
+                         f"and {SAMPLE_TRACE.name} in {DATA_DIR})") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(decoder.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace record ({exc})") from None
+            if limit is not None and len(requests) >= limit:
+                break
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
+
+
+_block_cache: dict[int, array.array] = {}
+
+
+def block_tokens(hash_id: int) -> array.array:
+    """512 token ids (< 65536) for one trace block, the same for the same id, every run."""
+    block = _block_cache.get(hash_id)
+    if block is None:
+        block = array.array("H", hashlib.shake_128(hash_id.to_bytes(8, "little", signed=True)).digest(1024))
+        if len(_block_cache) < 400_000:
+            _block_cache[hash_id] = block
+    return block
+
+
+def token_array(request: TraceRequest) -> array.array:
+    """The request's token ids as a compact array (2 bytes each)."""
+    tokens = array.array("H")
+    for hash_id in request.hash_ids:
+        tokens.extend(block_tokens(hash_id))
+    del tokens[request.input_length:]
+    return tokens
+
+
+def trace_tokens(request: TraceRequest) -> list[int]:
+    return token_array(request).tolist()
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A trace request with what every replay of it needs, computed once."""
+
+    index: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    digests: list[PageDigest]  # SGLang's page chain at the replay's page size
+    source: TraceRequest
+
+    def token_ids(self) -> list[int]:
+        """Computed again on each call (kept for every request, they would take gigabytes)."""
+        return trace_tokens(self.source)
+
+
+def prepare(requests: list[TraceRequest], page_size: int) -> list[PreparedRequest]:
+    out = []
+    for index, request in enumerate(requests):
+        tokens = token_array(request)
+        out.append(PreparedRequest(index=index, arrival_s=request.timestamp / 1000.0, input_tokens=len(tokens),
+                                   output_tokens=request.output_length,
+                                   digests=sglang_page_digests(tokens, page_size), source=request))
+    return out

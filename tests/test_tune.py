@@ -1,0 +1,65 @@
+"""`kvtier tune` on a tiny trace, and the synthetic high-reuse trace generator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvtier.bench.synth_trace import SynthParams, generate, trace_stats
+from kvtier.bench.trace import load_trace, prepare
+from kvtier.bench.tune import OBJECTIVES, tune
+from kvtier.producers.sim_cluster import ClusterShape
+
+SHAPE = ClusterShape(workers=3, page_size=64, device_pages=512, host_pages=512, l3=False)
+
+
+def test_tune_finds_settings_at_least_as_good_as_the_defaults_and_checks_them_held_out():
+    requests = prepare(load_trace("synthetic:3", 150), SHAPE.page_size)
+    report = tune(requests, SHAPE, budget=6, lag_s=0.005, seed=2, holdout=0.3)
+    assert report["trials"] == 6 and report["requests"] == 105 and report["holdout_requests"] == 45
+    for objective, key in OBJECTIVES.items():
+        best = report["best"][objective]
+        assert best["figures"][key] <= report["defaults"][key]  # the defaults are one of the trials
+        assert best["vs_defaults_pct"] >= 0
+        assert set(best["holdout_figures"]) == {"ttft_p50_ms", "ttft_p99_ms", "recomputed_tokens", "reused_pct"}
+        # every change is a real weight and shows up as a router flag
+        assert set(best["changes"]) <= set(best["weights"])
+    assert report["oracle_at_defaults"] and report["round_robin"] and report["verdict"].endswith(".")
+    # the same command, the same answer
+    assert tune(requests, SHAPE, budget=6, lag_s=0.005, seed=2, holdout=0.3) == report
+
+
+def test_tune_cli_prints_a_table_and_json():
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "tune", "--trace", "synthetic:3", "--requests", "80",
+                          "--workers", "2", "--device-pages", "512", "--host-pages", "1024", "--budget", "3",
+                          "--json"], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["policy"] == "tier_aware_shared" and report["trials"] == 3
+    assert "best for ttft_p50" in out.stdout and "oracle at default weights" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvtier.cli", "tune", "--holdout", "1.5", "--requests", "10"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--holdout must be in [0, 1)" in bad.stderr
+
+
+def test_the_synthetic_trace_has_the_statistics_it_promises():
+    stats = trace_stats(generate())
+    assert stats["requests"] == 3993 and 950 <= stats["span_s"] <= 1100
+    assert 60 <= stats["blocks_seen_before_pct"] <= 68 and 40 <= stats["requests_with_prefix_hit_pct"] <= 50
+    assert 10_000 <= stats["input_median"] <= 13_000 and 14_000 <= stats["input_mean"] <= 18_000
+    assert 130 <= stats["output_mean"] <= 170
+    assert generate(seed=4) == generate(seed=4) and generate(seed=4) != generate(seed=5)
+    # a follow-up carries its session's whole context: its first block was seen before
+    small = generate(SynthParams(requests=200, followup_share=1.0, document_share=0.0), seed=1)
+    assert trace_stats(small)["requests_with_prefix_hit_pct"] >= 99.0
+
+
+def test_synth_trace_cli_writes_a_mooncake_format_trace(tmp_path):
+    path = tmp_path / "synthetic.jsonl"
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "synth-trace", "--out", str(path),
+                          "--requests", "50", "--seed", "3"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    written = load_trace(path)
+    assert written == generate(SynthParams(requests=50), seed=3)
+    assert json.loads(out.stderr.strip().splitlines()[-1])["stats"]["requests"] == 50
