@@ -238,7 +238,8 @@ class TierStateWriter:
             for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
                 worker_id = as_text(worker)
                 pages = int(self._expire(
-                    keys=[keys.state(worker_id), keys.leases, keys.pages(worker_id), keys.stale_workers],
+                    keys=[keys.state(worker_id), keys.leases, keys.pages(worker_id), keys.stale_workers,
+                          keys.predicted(worker_id)],
                     args=[worker_id, now_ms],
                 ))
                 if pages >= 0:

@@ -1,6 +1,7 @@
 -- Remove a dead worker's pages once its lease has run out (checked again here, atomically,
 -- so a heartbeat that arrived meanwhile wins). Keeps the bookkeeping, marked stale, for a day.
--- KEYS: 1 state hash, 2 leases zset, 3 the worker's pages set, 4 the model's stale-workers set
+-- KEYS: 1 state hash, 2 leases zset, 3 the worker's pages set, 4 the model's stale-workers set,
+--       5 the worker's predicted pages (its bookings' releases find nothing left to give back)
 -- ARGV: 1 worker, 2 now (unix ms)
 -- Returns the number of (page, tier) entries removed, or -1 if the lease is still live.
 local state, leases = KEYS[1], KEYS[2]
@@ -8,7 +9,7 @@ local worker, now = ARGV[1], tonumber(ARGV[2])
 local expiry = redis.call('ZSCORE', leases, worker)
 if not expiry or tonumber(expiry) > now then return -1 end
 local removed = redis.call('SCARD', KEYS[3])
-redis.call('UNLINK', KEYS[3])
+redis.call('UNLINK', KEYS[3], KEYS[5])
 redis.call('ZREM', leases, worker)
 redis.call('HDEL', state, 'n1', 'n2', 'n4', 'n8')
 redis.call('HSET', state, 'stale', 1, 'stale_reason', 'lease_expired', 'stale_since_ms', now)

@@ -548,9 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Weight of the (adjusted) prefill pages against decode pages.")
     r.add_argument("--temperature", type=_non_negative_float, default=0.0,
                    help="0: best score, ties at random; >0: softmax sampling over normalised scores.")
-    r.add_argument("--predicted-pages", choices=["on", "off"], default="on",
+    r.add_argument("--predicted-pages", choices=["on", "off"], default="off",
                    help="Book each request's pages as predicted device pages on its worker until it completes, "
-                        "visible to every replica (pages its events may not show yet).")
+                        "visible to every replica (pages its events may not show yet). Pays off when requests "
+                        "sharing a new context arrive together (fan-out); costs Redis memory per in-flight page "
+                        "(BENCHMARKS.md).")
     r.add_argument("--predicted-page-weight", type=_non_negative_float, default=1.0,
                    help="Credit per predicted page (like --overlap-score-credit for device pages).")
     r.add_argument("--page-size", type=_positive_int, default=None,
@@ -732,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "routers) or through the router's decision computed in process on the same information.")
     rp.add_argument("--visibility-lag-ms", type=_non_negative_float, default=5.0,
                     help="Trace milliseconds between an engine event and routers seeing it (0: the ideal).")
-    rp.add_argument("--predicted-pages", choices=["on", "off"], default="on",
+    rp.add_argument("--predicted-pages", choices=["on", "off"], default="off",
                     help="kvtier policies book predicted pages (the routers' --predicted-pages).")
     rp.add_argument("--seed", type=int, default=1)
     rp.add_argument("--seeds", default="", help="Comma-separated seeds: every figure is the median over them.")

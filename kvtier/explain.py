@@ -148,7 +148,7 @@ async def seed_recorded_predictions(client, root: str, decision: RouteDecision) 
         if c.overlap.predicted and c.page_size in pages:
             blob = pages[c.page_size].keys_blob
             prefix = min(c.overlap.device + c.overlap.predicted, len(blob) // 16)
-            pipe.hset(f"{keys.base}:w:{c.worker_id}:predicted",
+            pipe.hset(keys.predicted(c.worker_id),
                       mapping={blob[i * 16:(i + 1) * 16]: 1 for i in range(prefix)})
     if len(pipe):
         await pipe.execute()

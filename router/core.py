@@ -91,7 +91,7 @@ class RouterSettings:
     selection: str = "score"
     #: Book each request's pages as predicted device pages on its worker until it completes
     #: (--predicted-pages), credited at `predicted_page_weight`.
-    predicted_pages: bool = True
+    predicted_pages: bool = False
 
 
 @dataclass(frozen=True)

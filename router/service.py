@@ -315,7 +315,7 @@ class RouterConfig:
     router_id: str = ""
     weights: object = None  # ScoringWeights
     seed: int | None = None  # seeds the tie-breaking draws: the same calls give the same decisions
-    predicted_pages: bool = True
+    predicted_pages: bool = False
     service: ServiceSettings = None  # type: ignore[assignment]
 
 

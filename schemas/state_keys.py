@@ -38,6 +38,9 @@ Load booked by routers (written only by router/*.lua, atomically with each selec
   kvt:{m}:bookings          zset  request id -> booking expiry (unix ms)
   kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back)
   kvt:{m}:rr                str   the model's round-robin turn (--router-mode round-robin)
+  kvt:{m}:w:<worker>:predicted  hash  page key -> bookings not yet complete that hold the page
+                                  as predicted on this worker (router/README.md); dropped
+                                  with the worker's pages when its lease expires
 
 One tier-tagged set per worker rather than one set per tier: a store is still one SADD and
 a remove one SREM with nothing read first, and a router's walk asks all tiers of a worker in
@@ -127,6 +130,9 @@ class ModelKeys:
 
     def pages(self, worker_id: str) -> str:
         return f"{self.base}:w:{worker_id}:pages"
+
+    def predicted(self, worker_id: str) -> str:
+        return f"{self.base}:w:{worker_id}:predicted"
 
     @property
     def prefill_load(self) -> str:

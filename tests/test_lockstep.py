@@ -183,13 +183,15 @@ def test_the_pipeline_decides_like_the_model_whatever_the_machine_load():
     from kvtier.bench.pipeline import PipelinePolicy, running_stack
 
     requests = small_trace(120)
-    model = run(RouterModel("tier_aware_shared", 4, 64, ScoringWeights(), True, 0.005, 7), requests)
+    # predicted pages on, so their booking and walk in Redis are held to the model's too
+    model = run(RouterModel("tier_aware_shared", 4, 64, ScoringWeights(), True, 0.005, 7, predicted=True), requests)
     runs = []
     with tempfile.TemporaryDirectory() as log_dir, running_stack(log_dir) as stack:
         for load in (False, True):
             burners = [cpu_burner(120) for _ in range(2)] if load else []
             try:
-                policy = PipelinePolicy(f"lockstep-{int(load)}", stack, 4, 64, 0.005, 7, shared=True)
+                policy = PipelinePolicy(f"lockstep-{int(load)}", stack, 4, 64, 0.005, 7, shared=True,
+                                        router_args=["--predicted-pages", "on"])
                 runs.append(run(policy, requests))
             finally:
                 for b in burners:

@@ -26,7 +26,8 @@ def test_a_booked_request_is_predicted_on_its_worker_for_every_replica(redis_cli
     for w in ("w0", "w1", "w2"):
         seeder.worker(w, PAGE)  # all cold: nothing any events have shown yet
     tokens = request_tokens(8, PAGE, seed=3)
-    a, b = RouterProcess(redis_server.url, "--seed", "1"), RouterProcess(redis_server.url, "--seed", "2")
+    a = RouterProcess(redis_server.url, "--seed", "1", "--predicted-pages", "on")
+    b = RouterProcess(redis_server.url, "--seed", "2", "--predicted-pages", "on")
     try:
         status, first, _ = a.route(MODEL, tokens, request_id="first")
         assert status == 200, first
@@ -41,7 +42,7 @@ def test_a_booked_request_is_predicted_on_its_worker_for_every_replica(redis_cli
         assert next(c["logit"] for c in second["candidates"] if c["worker_id"] == chosen) == 18
         # the booking holds the prediction: 8 page keys, one booking each
         keys = ModelKeys.for_model(MODEL)
-        held = redis_client.hgetall(f"{keys.base}:w:{chosen}:predicted")
+        held = redis_client.hgetall(keys.predicted(chosen))
         assert len(held) == 8 and set(held.values()) == {b"1"}
         # the first token does not end it (the pages stay on device while the request decodes)
         assert a.release(MODEL, "first", "first_token")[0] == 200
@@ -49,7 +50,7 @@ def test_a_booked_request_is_predicted_on_its_worker_for_every_replica(redis_cli
         # completion does
         assert b.release(MODEL, "first", "complete")[0] == 200
         assert overlap_of(a.route(MODEL, tokens, book=False)[1], chosen)["predicted"] == 0
-        assert not redis_client.exists(f"{keys.base}:w:{chosen}:predicted")
+        assert not redis_client.exists(keys.predicted(chosen))
         # once the worker's events show the pages on device, they count as device pages, once
         hashes = sglang_block_hashes(tokens, PAGE)
         seeder.store(chosen, Tier.DEVICE, hashes[:5])
@@ -64,7 +65,7 @@ def test_two_bookings_of_one_prefix_each_hold_it(redis_client, redis_server):
     seeder = StateSeeder(redis_client, MODEL + "-2")
     seeder.worker("w0", PAGE)
     tokens = request_tokens(4, PAGE, seed=5)
-    router = RouterProcess(redis_server.url)
+    router = RouterProcess(redis_server.url, "--predicted-pages", "on")
     try:
         assert router.route(MODEL + "-2", tokens, request_id="x")[0] == 200
         assert router.route(MODEL + "-2", tokens, request_id="y")[0] == 200
@@ -76,19 +77,19 @@ def test_two_bookings_of_one_prefix_each_hold_it(redis_client, redis_server):
         stop_all(router)
 
 
-def test_predicted_pages_off_predicts_nothing(redis_client, redis_server):
+def test_predicted_pages_are_off_by_default(redis_client, redis_server):
     seeder = StateSeeder(redis_client, MODEL + "-3")
     for w in ("w0", "w1"):
         seeder.worker(w, PAGE)
     tokens = request_tokens(6, PAGE, seed=7)
-    router = RouterProcess(redis_server.url, "--predicted-pages", "off")
+    router = RouterProcess(redis_server.url)
     try:
         status, body, _ = router.route(MODEL + "-3", tokens, request_id="a")
         assert status == 200
         again = router.route(MODEL + "-3", tokens, book=False)[1]
         assert all(c["overlap"]["predicted"] == 0 for c in again["candidates"])
-        base = ModelKeys.for_model(MODEL + "-3").base
-        assert not any(redis_client.exists(f"{base}:w:{w}:predicted") for w in ("w0", "w1"))
+        keys = ModelKeys.for_model(MODEL + "-3")
+        assert not any(redis_client.exists(keys.predicted(w)) for w in ("w0", "w1"))
     finally:
         stop_all(router)
 
@@ -98,7 +99,7 @@ def test_predicted_page_weight_is_a_per_request_override(redis_client, redis_ser
     seeder.worker("w0", PAGE)
     seeder.worker("w1", PAGE)
     tokens = request_tokens(8, PAGE, seed=11)
-    router = RouterProcess(redis_server.url)
+    router = RouterProcess(redis_server.url, "--predicted-pages", "on")
     try:
         chosen = router.route(MODEL + "-4", tokens, request_id="a")[1]["worker_id"]
         status, body, _ = router.route(MODEL + "-4", tokens, book=False,
@@ -142,5 +143,29 @@ def test_random_mode_spreads_and_reports_scores(redis_client, redis_server):
         assert set(counts) == {"w0", "w1", "w2", "w3"} and max(counts.values()) < 25
         # the answer still carries the formula's view, so an A/B log shows what kv would have picked
         assert overlap_of(bodies[0], "w3")["device"] == 4
+    finally:
+        stop_all(router)
+
+
+def test_a_dead_workers_predictions_go_with_its_pages(redis_client, redis_server):
+    """Lease expiry removes the worker's predicted pages with its pages; the booking's later
+    release finds nothing to give back and leaves nothing behind."""
+    import time
+
+    from kvtier.consumers.apply import TierStateWriter
+
+    seeder = StateSeeder(redis_client, MODEL + "-dead")
+    seeder.announce("w0", PAGE, lease_ttl_s=1.0)
+    tokens = request_tokens(5, PAGE, seed=13)
+    router = RouterProcess(redis_server.url, "--predicted-pages", "on")
+    try:
+        assert router.route(MODEL + "-dead", tokens, request_id="doomed")[0] == 200
+        keys = ModelKeys.for_model(MODEL + "-dead")
+        assert redis_client.hlen(keys.predicted("w0")) == 5
+        removed = TierStateWriter(redis_client).expire_dead_workers(now=time.time() + 2.0)
+        assert [(w, n) for _, w, n in removed] == [("w0", 0)]
+        assert not redis_client.exists(keys.predicted("w0"))
+        assert router.release(MODEL + "-dead", "doomed")[0] == 200
+        assert not redis_client.exists(keys.predicted("w0"))
     finally:
         stop_all(router)

@@ -21,9 +21,12 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvtier.bench.policies import CandidateView, Decision, Policy, oracle_choice
 from kvtier.bench.trace import PreparedRequest
 from kvtier.producers.sim_cluster import ClusterShape, RankTruth, SimCluster
+from kvtier.router import scoring
 from kvtier.schemas.routing import ScoringWeights
 
 #: Why a policy did not choose the oracle's rank (breakdown keys, in the order they are tested).
@@ -111,9 +114,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _credit(c: CandidateView, weights: ScoringWeights) -> float:
-    o = c.overlap
-    return (weights.overlap_score_credit * o.device + weights.host_cache_hit_weight * o.host
-            + weights.disk_cache_hit_weight * o.disk + weights.shared_cache_multiplier * o.shared_beyond)
+    return scoring.cache_credit(c.overlap, weights)
 
 
 def reason_for(decision: Decision, oracle_rank: int, oracle_seen: list[CandidateView], weights: ScoringWeights,
@@ -129,15 +130,13 @@ def reason_for(decision: Decision, oracle_rank: int, oracle_seen: list[Candidate
     seen = {c.rank: c for c in decision.seen}
     if oracle_rank not in seen:
         return "missing"
-    cache_weights = weights if shared else _no_shared(weights)
+    local = _no_shared(weights)  # the worker's own tiers; the pool is judged apart below
     for rank in (oracle_rank, decision.rank):
         s, t = seen[rank], truth[rank]
-        local_seen = (s.overlap.device, s.overlap.host, s.overlap.disk)
+        local_seen = (s.overlap.device + s.overlap.predicted, s.overlap.host, s.overlap.disk)
         local_true = (t.overlap.device, t.overlap.host, 0)
         if local_seen != local_true:
-            if _credit(s, _no_shared(cache_weights)) < _credit(t, _no_shared(cache_weights)):
-                return "not_yet_visible"
-            return "overstated"
+            return "not_yet_visible" if _credit(s, local) < _credit(t, local) else "overstated"
     if shared and any(seen[r].overlap.shared_beyond != truth[r].overlap.shared_beyond for r in seen):
         return "shared_pool"
     if seen[oracle_rank].logit == seen[decision.rank].logit:
@@ -146,8 +145,6 @@ def reason_for(decision: Decision, oracle_rank: int, oracle_seen: list[Candidate
 
 
 def _no_shared(weights: ScoringWeights) -> ScoringWeights:
-    import msgspec
-
     return msgspec.structs.replace(weights, shared_cache_multiplier=0.0)
 
 

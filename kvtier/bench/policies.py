@@ -206,7 +206,7 @@ class RouterModel:
     needs_tokens = False
 
     def __init__(self, name: str, workers: int, page_size: int, weights: ScoringWeights, shared: bool,
-                 visibility_lag_s: float, seed: int, replicas: int = 2, predicted: bool = True):
+                 visibility_lag_s: float, seed: int, replicas: int = 2, predicted: bool = False):
         self.name = name
         self.workers = workers
         self.page_size = page_size

@@ -41,6 +41,10 @@ class PolicyResult:
     route_s: list = field(default_factory=list)
     wall_s: float = 0.0
     degraded: int = 0
+    #: Requests that reached their worker after one with a later trace arrival: the simulated
+    #: engine queues them behind it, so their TTFT grows by the gap (a wall-clock artefact).
+    out_of_order: int = 0
+    ttft_in_order_s: list = field(default_factory=list)
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft_s) or [0.0]
@@ -57,6 +61,10 @@ class PolicyResult:
             "decisions_per_s": round(self.requests / self.wall_s, 1) if self.wall_s else None,
             "route_p50_ms": round(statistics.median(self.route_s) * 1000, 3) if self.route_s else None,
             "degraded_decisions": self.degraded,
+            "out_of_order_requests": self.out_of_order,
+            "ttft_p99_in_order_ms": round(sorted(self.ttft_in_order_s)[
+                min(len(self.ttft_in_order_s) - 1, int(0.99 * len(self.ttft_in_order_s)))] * 1000, 1)
+            if self.ttft_in_order_s else None,
         }
 
 
@@ -135,6 +143,7 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
     loop = asyncio.get_running_loop()
     wall0 = loop.time()
     done = 0
+    latest_sent: dict[int, float] = {}  # per rank: the latest trace arrival sent to it so far
     pending: set[asyncio.Task] = set()
     stop_ticker = asyncio.Event()
 
@@ -184,6 +193,8 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
                 result.degraded += 1
             rank = int(decision["worker_id"].rsplit("-dp", 1)[1])
         result.route_s.append(time.perf_counter() - started)
+        late = arrival < latest_sent.get(rank, float("-inf"))
+        latest_sent[rank] = max(latest_sent.get(rank, float("-inf")), arrival)
         async with session.post(f"{sim_url}/w/{rank}/generate",
                                 json={"input_ids": tokens, "now": arrival,
                                       "sampling_params": {"max_new_tokens": request.output_length}}) as r:
@@ -197,6 +208,10 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
         for tier in ("device", "host", "l3"):
             result.hit_tokens[tier] += meta["cached_tokens_details"][tier]
         result.ttft_s.append(meta["ttft_s"])
+        if late:
+            result.out_of_order += 1
+        else:
+            result.ttft_in_order_s.append(meta["ttft_s"])
         result.per_worker[rank] = result.per_worker.get(rank, 0) + 1
         if router is not None:
             ttft = meta["ttft_s"]

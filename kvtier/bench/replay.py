@@ -58,7 +58,7 @@ class ReplaySettings:
     visibility_lag_s: float = DEFAULT_VISIBILITY_LAG_MS / 1000
     via: str = "pipeline"  # kvtier policies: "pipeline" | "model"
     weights: ScoringWeights = field(default_factory=ScoringWeights)
-    predicted_pages: bool = True
+    predicted_pages: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.policies) - set(POLICIES)
@@ -93,8 +93,8 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         weights, shared = policy_weights(name, settings.weights)
         router_args = ["--router-mode", "load"] if name == "least_load" else []
         router_args += weight_flags(settings.weights)
-        if not settings.predicted_pages:
-            router_args += ["--predicted-pages", "off"]
+        if settings.predicted_pages:
+            router_args += ["--predicted-pages", "on"]
         overrides = DEVICE_ONLY if name == "device_only" else None
         return PipelinePolicy(name, stack, shape.workers, shape.page_size, settings.visibility_lag_s, seed,
                               router_args=router_args, overrides=overrides, shared=shared)
@@ -399,7 +399,9 @@ def _run_realtime(args, raw, shape, policies, span, trace) -> int:
               "policies": summaries, "logs": log_dir}
     for name, s in summaries.items():
         print(f"{name:<18} reused {s['reused_pct']:5.1f}%  TTFT p50 {s['ttft_p50_ms']:7.0f} ms  p99 "
-              f"{s['ttft_p99_ms']:8.0f} ms  route p50 {s['route_p50_ms']} ms  degraded {s['degraded_decisions']}")
+              f"{s['ttft_p99_ms']:8.0f} ms (in trace order only: {s['ttft_p99_in_order_ms']} ms; "
+              f"{s['out_of_order_requests']} requests reached their worker out of trace order)  route p50 "
+              f"{s['route_p50_ms']} ms  degraded {s['degraded_decisions']}")
     if args.json:
         print(json.dumps(report))
     return 0

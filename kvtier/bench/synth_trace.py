@@ -48,6 +48,11 @@ class SynthParams:
     fresh_sigma: float = 0.5
     max_input_tokens: int = 191378
     output_mean_tokens: float = 149.0
+    #: Fan-out: this share of fresh requests come with `fanout - 1` siblings within a few
+    #: milliseconds that share its whole context and add a block of their own (an agent's
+    #: parallel calls, a batch over one document). 0: none (the default trace).
+    fanout_share: float = 0.0
+    fanout: int = 8
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.duration_s <= 0:
@@ -96,6 +101,16 @@ def generate(params: SynthParams = SynthParams(), seed: int = 1) -> list[TraceRe
         sessions.append(blocks)
         out.append(TraceRequest(timestamp=round(now * 1000), input_length=length, output_length=output,
                                 hash_ids=blocks))
+        if params.fanout_share and len(out) < params.requests and rng.random() < params.fanout_share:
+            for _ in range(min(params.fanout - 1, params.requests - len(out))):
+                now += rng.uniform(0.001, 0.005)
+                sibling = blocks + fresh_blocks(1)
+                out.append(TraceRequest(timestamp=round(now * 1000),
+                                        input_length=length + rng.randint(1, TRACE_BLOCK_TOKENS),
+                                        output_length=max(1, int(rng.expovariate(1 / params.output_mean_tokens))),
+                                        hash_ids=sibling))
+        if len(out) >= params.requests:
+            break
     return out
 
 

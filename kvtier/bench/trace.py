@@ -36,16 +36,18 @@ class TraceRequest(msgspec.Struct, frozen=True):
 
 
 def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRequest]:
-    """A Mooncake-format JSONL trace (plain, or gzipped when the name ends in .gz), or
-    "synthetic[:SEED]": the high-reuse trace kvtier/bench/synth_trace.py generates."""
-    if str(path).startswith("synthetic"):
-        from kvtier.bench.synth_trace import generate
+    """A Mooncake-format JSONL trace (plain, or gzipped when the name ends in .gz), or one
+    kvtier/bench/synth_trace.py generates: "synthetic[:SEED]" (the high-reuse trace) or
+    "synthetic-fanout[:SEED]" (the same with a fifth of fresh requests fanned out 8 ways)."""
+    name, _, seed = str(path).partition(":")
+    if name in ("synthetic", "synthetic-fanout"):
+        from kvtier.bench.synth_trace import SynthParams, generate
 
-        _, _, seed = str(path).partition(":")
+        params = SynthParams(fanout_share=0.2 if name == "synthetic-fanout" else 0.0)
         try:
-            requests = generate(seed=int(seed) if seed else 1)
+            requests = generate(params, seed=int(seed) if seed else 1)
         except ValueError:
-            raise ValueError(f"--trace {path}: synthetic takes an integer seed, e.g. synthetic:2") from None
+            raise ValueError(f"--trace {path}: {name} takes an integer seed, e.g. {name}:2") from None
         return requests[:limit] if limit is not None else requests
     decoder = msgspec.json.Decoder(TraceRequest)
     requests = []
