@@ -3,6 +3,7 @@ degraded meanwhile, the state rebuilt exactly from the stream (or, where the str
 holds an epoch's start, marked stale until the bridge's resync)."""
 
 import asyncio
+import json
 import time
 
 import nats
@@ -22,17 +23,22 @@ from .router_helpers import RouterProcess
 MODEL = "m-loss"
 
 
-def test_fault_suite_every_kind_ends_exact():
+def test_fault_suite_every_kind_ends_exact(tmp_path):
     """Eight faults, every kind once (Redis data loss included) plus one more, during a
     sustained stream: every one recovers and the state ends equal, page for page, to a replay
     of the stream and to each engine's own view."""
     started = time.monotonic()
-    result = run_faults(faults=8, seed=3, duration=36, workers=2, processors=2, rate=30, say=lambda *a: None)
+    said: list[str] = []
+    result = run_faults(faults=8, seed=3, duration=36, workers=2, processors=2, rate=30,
+                        say=lambda *a: said.append(" ".join(map(str, a))), log_dir=str(tmp_path))
     assert set(result["faults_by_kind"]) == set(KINDS)
     assert result["faults_by_kind"]["redis_loss"] == 1
     assert result["not_recovered"] == 0, result["schedule"]
     assert result["pages_compared"] > 1000
-    assert result["divergences"] == 0, result["comparison"]
+    if result["divergences"]:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+        raise AssertionError(f"{result['divergences']} divergences\n" + "\n".join(said) + "\n"
+                             + json.dumps(result["comparison"])[:4000] + "\n" + logs)
     assert time.monotonic() - started < 150
 
 
