@@ -40,7 +40,7 @@ import msgspec
 
 from kvtier.consumers.analytics_model import TIER_NAMES, TierAnalytics
 from kvtier.consumers.pull import ConsumerGone
-from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
+from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.routing import DECISION_SCHEMA_VERSION, RouteDecision
 from kvtier.schemas.subjects import (
     DECISIONS_PREFIX,
@@ -97,6 +97,8 @@ class MessageFeeder:
                 return "skipped"
             self.analytics.announce(message, at)
             return "announce"
+        if isinstance(message, WorkerExpired):
+            return "expired"  # analytics judges leases on its own clock (consumers/analytics_model.py)
         assert isinstance(message, EventBatch)
         if self.models is not None and message.model not in self.models:
             return "skipped"

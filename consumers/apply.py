@@ -21,6 +21,7 @@ import redis
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, page_member, split_member, store_key
+from kvtier.schemas.subjects import partition_of
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
 
@@ -30,6 +31,7 @@ class ApplyStatus(enum.IntEnum):
     AHEAD = 2  # an earlier seq of this epoch has not been applied yet: a gap
     OLD_EPOCH = 3  # the worker has moved on to a newer epoch
     NOT_READY = 4  # the model's incarnation marker is missing or not ready: nothing applied
+    GONE = 5  # the worker's lease expired and it has not announced since: a dead worker's late batch
 
 
 class ApplyMode(str, enum.Enum):
@@ -62,6 +64,7 @@ class ApplyResult:
     seq: int
     transitions: int
     stale: bool
+    rebased: bool = False  # this call cleared the worker and marked it stale (a gap given up on)
 
 
 def _load_script(name: str) -> str:
@@ -70,6 +73,7 @@ def _load_script(name: str) -> str:
 
 _APPLY_LUA = _load_script("apply.lua")
 _EXPIRE_LUA = _load_script("expire.lua")
+_FORGET_LUA = _load_script("forget.lua")
 #: Claim the rebuild of a model whose marker is missing (or whose rebuild scan went silent).
 #: KEYS: 1 marker. ARGV: 1 owner, 2 now ms, 3 scan timeout ms, 4 new id.
 #: Returns {outcome, id}: 'created' | 'takeover' (this caller rebuilds) | 'held'.
@@ -126,6 +130,7 @@ class TierStateWriter:
         self.models_key = models_key(root)
         self._apply = client.register_script(_APPLY_LUA)
         self._expire = client.register_script(_EXPIRE_LUA)
+        self._forget = client.register_script(_FORGET_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
         self._adopt = client.register_script(_ADOPT_LUA)
         self._async_client = async_client
@@ -159,10 +164,10 @@ class TierStateWriter:
         keys = ModelKeys.for_model(batch.model, self.root)
         return (
             [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers,
-             keys.incarnation],
+             keys.incarnation, keys.partial_workers, keys.leases],
             [batch.source_seq_last, batch.worker_id, batch.epoch, batch.seq, mode.value,
              batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
-             *_script_ops(batch)],
+             "1" if batch.epoch_from_start else "0", *_script_ops(batch)],
         )
 
     def apply(self, batch: EventBatch, mode: ApplyMode = ApplyMode.NEXT) -> ApplyResult:
@@ -201,15 +206,17 @@ class TierStateWriter:
         now_ms = _now_ms()
         return (self._call_args(batch, ApplyMode.NEXT, now_ms) for batch in batches)
 
-    def announce(self, announce: WorkerAnnounce, received_at: float | None = None) -> bool:
-        """Record worker metadata and extend its lease (measured from receipt, so bridge
-        clock skew cannot make a lease immortal or stillborn). Returns whether the worker's
-        state is marked stale."""
+    def announce(self, announce: WorkerAnnounce, at: float | None = None) -> bool:
+        """Record worker metadata and extend its lease from `at`: when the announce entered
+        the stream (JetStream's timestamp, one clock for every bridge; default: now). So a
+        backlog applied late gives a dead worker no fresh lease, and a bridge's clock skew
+        cannot make a lease immortal or stillborn. Returns whether the worker's state is
+        marked stale."""
         meta = announce.metadata
         keys = ModelKeys.for_model(meta.model, self.root)
         if not self.guarded:
             self._register_tokens({keys.model_token})
-        expiry_ms = int(((received_at or time.time()) + announce.lease_ttl_s) * 1000)
+        expiry_ms = int(((at or time.time()) + announce.lease_ttl_s) * 1000)
         # `kvt:models` lives in another hash slot: a transaction over it and the model's keys
         # would be cross-slot on Redis Cluster, so it is added first, on its own.
         self.client.sadd(self.models_key, keys.model_token)
@@ -222,29 +229,83 @@ class TierStateWriter:
         pipe.hget(keys.state(meta.worker_id), "stale")
         return (pipe.execute()[-1] or b"0") not in (b"0", "0")
 
+    def forget_dead_workers(self, retention_s: float, now: float | None = None) -> list[tuple[str, str]]:
+        """Remove every trace of workers without a lease that went (their lease expired, or
+        their last batch, for one never leased) more than `retention_s` ago: state, meta,
+        set members, page-size and hash-check fields. Returns (model token, worker)."""
+        before_ms = int(((now or time.time()) - retention_s) * 1000)
+        forgotten: list[tuple[str, str]] = []
+        for token in sorted(self.client.smembers(self.models_key)):
+            keys = ModelKeys(as_text(token), self.root)
+            for worker in self.client.smembers(keys.workers):
+                worker_id = as_text(worker)
+                if int(self._forget(keys=[keys.state(worker_id), keys.leases, keys.workers, keys.stale_workers,
+                                          keys.partial_workers, keys.page_sizes, keys.hash_check,
+                                          keys.meta(worker_id), keys.pages(worker_id), keys.predicted(worker_id)],
+                                    args=[worker_id, before_ms])):
+                    forgotten.append((keys.model_token, worker_id))
+        return forgotten
+
     def count_stale_workers(self) -> int:
+        return self._count_members(lambda keys: keys.stale_workers)
+
+    def count_partial_workers(self) -> int:
+        return self._count_members(lambda keys: keys.partial_workers)
+
+    def _count_members(self, key_of) -> int:
         pipe = self.client.pipeline(transaction=False)
         for token in self.client.smembers(self.models_key):
-            pipe.scard(ModelKeys(as_text(token), self.root).stale_workers)
+            pipe.scard(key_of(ModelKeys(as_text(token), self.root)))
         return sum(pipe.execute())
 
-    def expire_dead_workers(self, now: float | None = None) -> list[tuple[str, str, int]]:
-        """Clear every worker whose lease ran out. Returns (model token, worker, page-tier
+    def expire_dead_workers(self, now: float | None = None, settled: dict[int, float] | None = None,
+                            partitions: int = 0) -> list[tuple[str, str, int]]:
+        """Clear every worker whose lease ran out. With `settled` (per partition, the stream
+        time up to which everything has been applied) and the stream's partition count, only
+        a lease that ran out before its partition's settled time: a partition behind may
+        still hold the announce that renews it. Returns (model token, worker, page-tier
         entries removed)."""
         now_ms = int((now or time.time()) * 1000)
         removed: list[tuple[str, str, int]] = []
         for token in sorted(self.client.smembers(self.models_key)):
             keys = ModelKeys(as_text(token), self.root)
-            for worker in self.client.zrangebyscore(keys.leases, "-inf", now_ms):
+            for worker, expiry in self.client.zrangebyscore(keys.leases, "-inf", now_ms, withscores=True):
                 worker_id = as_text(worker)
-                pages = int(self._expire(
-                    keys=[keys.state(worker_id), keys.leases, keys.pages(worker_id), keys.stale_workers,
-                          keys.predicted(worker_id)],
-                    args=[worker_id, now_ms],
-                ))
+                if settled is not None and expiry > 1000 * settled.get(
+                        partition_of(keys.model_token, worker_id, partitions), float("-inf")):
+                    continue
+                pages = self._expire_one(keys, worker_id, now_ms)
                 if pages >= 0:
                     removed.append((keys.model_token, worker_id, pages))
         return removed
+
+    def expirable_workers(self, now: float, settled: dict[int, float],
+                          partitions: int) -> list[tuple[str, str, int, int, int]]:
+        """(model token, worker, lease expiry ms, epoch, seq) of every lease that ran out
+        before `now` and before its partition's settled time (`expire_dead_workers`): what a
+        processor records as WorkerExpired decisions."""
+        now_ms = int(now * 1000)
+        found = []
+        for token in sorted(self.client.smembers(self.models_key)):
+            keys = ModelKeys(as_text(token), self.root)
+            for worker, expiry in self.client.zrangebyscore(keys.leases, "-inf", now_ms, withscores=True):
+                worker_id = as_text(worker)
+                if expiry <= 1000 * settled.get(partition_of(keys.model_token, worker_id, partitions), float("-inf")):
+                    epoch, seq = self.client.hmget(keys.state(worker_id), "epoch", "seq")
+                    found.append((keys.model_token, worker_id, int(expiry), int(epoch or 0), int(seq or 0)))
+        return found
+
+    def expire_worker(self, model: str, worker_id: str, lease_expiry_ms: int) -> int:
+        """Apply a recorded WorkerExpired decision: clear the worker if its lease is still the
+        one the decision was taken on. Returns the page-tier entries removed, -1 if renewed."""
+        keys = ModelKeys.for_model(model, self.root)
+        return self._expire_one(keys, worker_id, lease_expiry_ms, lease_expiry_ms)
+
+    def _expire_one(self, keys: ModelKeys, worker_id: str, now_ms: int, lease_ms: int | None = None) -> int:
+        return int(self._expire(
+            keys=[keys.state(worker_id), keys.leases, keys.pages(worker_id), keys.stale_workers,
+                  keys.predicted(worker_id)],
+            args=[worker_id, now_ms, "" if lease_ms is None else lease_ms]))
 
     # --- the incarnation marker and rebuilds after a loss (processor) ---------------------
     def incarnation(self, token: str) -> dict[str, str]:
@@ -407,8 +468,9 @@ def _now_ms() -> int:
 
 
 def _result(raw) -> ApplyResult:
-    status, epoch, seq, transitions, stale = raw
-    return ApplyResult(ApplyStatus(int(status)), int(epoch), int(seq), int(transitions), bool(int(stale)))
+    status, epoch, seq, transitions, stale, rebased = raw
+    return ApplyResult(ApplyStatus(int(status)), int(epoch), int(seq), int(transitions), bool(int(stale)),
+                       bool(int(rebased)))
 
 
 # --- readers used by tests, replay and debugging tools -------------------------------------

@@ -2,12 +2,14 @@
 -- so a heartbeat that arrived meanwhile wins). Keeps the bookkeeping, marked stale, for a day.
 -- KEYS: 1 state hash, 2 leases zset, 3 the worker's pages set, 4 the model's stale-workers set,
 --       5 the worker's predicted pages (its bookings' releases find nothing left to give back)
--- ARGV: 1 worker, 2 now (unix ms)
+-- ARGV: 1 worker, 2 now (unix ms), 3 the lease expiry the decision was taken on (unix ms; ""
+--       for any): a lease renewed since is left alone
 -- Returns the number of (page, tier) entries removed, or -1 if the lease is still live.
 local state, leases = KEYS[1], KEYS[2]
 local worker, now = ARGV[1], tonumber(ARGV[2])
 local expiry = redis.call('ZSCORE', leases, worker)
 if not expiry or tonumber(expiry) > now then return -1 end
+if ARGV[3] and ARGV[3] ~= '' and tonumber(expiry) ~= tonumber(ARGV[3]) then return -1 end
 local removed = redis.call('SCARD', KEYS[3])
 redis.call('UNLINK', KEYS[3], KEYS[5])
 redis.call('ZREM', leases, worker)

@@ -188,6 +188,12 @@ class HashValidator:
         self._changed.add((model, worker))
         self._explained = {key for key in self._explained if key[:2] != (model, worker)}
 
+    def drop_worker(self, model: str, worker: str) -> None:
+        """The worker is gone for good: keep nothing of it."""
+        self._checks.pop((model, worker), None)
+        self._changed.discard((model, worker))
+        self._explained = {key for key in self._explained if key[:2] != (model, worker)}
+
     def _check_of(self, model: str, worker: str) -> HashCheck:
         check = self._checks.get((model, worker))
         if check is None:

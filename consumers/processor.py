@@ -45,7 +45,14 @@ from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStat
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import ConsumerGone, PullStream
-from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
+from kvtier.schemas.events import (
+    EventBatch,
+    UnsupportedVersion,
+    WorkerAnnounce,
+    WorkerExpired,
+    decode_message,
+    encode_message,
+)
 from kvtier.schemas.health import decode_hash_check, encode_hash_check
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
 from kvtier.schemas.subjects import (
@@ -53,12 +60,33 @@ from kvtier.schemas.subjects import (
     EVENTS_STREAM,
     control_subject,
     dlq_subject,
+    events_subject,
     partition_filter,
     subject_token,
 )
 from kvtier.streams import StreamSettings, connect_nats, ensure_streams
 
 log = logging.getLogger("kvtier.processor")
+
+
+def _timestamp(value) -> float:
+    """A JetStream time (a datetime, or RFC 3339 text from some nats-py versions) in unix seconds."""
+    if isinstance(value, str):
+        import datetime
+
+        text = value.rstrip("Z")
+        whole, _, fraction = text.partition(".")
+        parsed = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.timezone.utc)
+        return parsed.timestamp() + (float("0." + fraction) if fraction else 0.0)
+    return value.timestamp()
+
+
+def stream_time(msg) -> float | None:
+    """When the message entered the stream (JetStream's timestamp), if the delivery says."""
+    try:
+        return msg.metadata.timestamp.timestamp()
+    except (AttributeError, ValueError, TypeError):
+        return None
 
 #: Page transitions sent to Redis per round trip: big enough to amortise the round trip,
 #: small enough that the first batch of a burst is visible within a few milliseconds.
@@ -72,7 +100,12 @@ DEAD_LETTERS = Counter("kvtier_processor_dead_letters_total", "Messages dead-let
 ANNOUNCES = Counter("kvtier_processor_announces_total", "Worker announcements (lease heartbeats) applied")
 EXPIRED = Counter("kvtier_processor_expired_workers_total", "Workers cleared after their lease expired")
 RESYNCS = Counter("kvtier_processor_resync_requests_total", "Resync requests sent to bridges")
+FORGOTTEN = Counter("kvtier_processor_forgotten_workers_total",
+                    "Dead workers removed for good once gone longer than --worker-retention")
 STALE_WORKERS = Gauge("kvtier_processor_stale_workers", "Workers whose state is marked stale")
+PARTIAL_WORKERS = Gauge("kvtier_processor_partial_workers",
+                        "Workers whose state began after their engine's first batch (routed to, but missing what "
+                        "the engine held before)")
 PENDING = Gauge("kvtier_processor_consumer_pending", "Messages not yet delivered", ["partition"])
 HASH_PAGES = Counter("kvtier_processor_hash_checked_pages_total",
                      "Stored pages whose hash was recomputed from their tokens, by outcome", ["outcome"])
@@ -96,6 +129,11 @@ class ProcessorConfig:
     fetch_batch: int = 256
     gap_timeout_s: float = 10.0
     ack_wait_s: float = 30.0
+    #: A worker gone (no lease) longer than this is forgotten: every key it left is removed.
+    worker_retention_s: float = 3600.0
+    #: A gap held back this long is taken for deliveries lost with a pull: the partition's
+    #: consumer is rewound to its ack floor (once per gap), well within the gap timeout.
+    lost_delivery_s: float = 1.0
     reap_interval_s: float = 1.0
     resync_min_interval_s: float = 2.0
     streams: StreamSettings = field(default_factory=StreamSettings)
@@ -127,6 +165,13 @@ class Processor:
         self.nc = None
         self.js = None
         self.partitions: list[int] = []
+        self.total_partitions = 0
+        self._reconnects_seen = 0
+        self._recorded_expiry: dict[tuple[str, str], int] = {}  # (model token, worker) -> lease ms recorded
+        self._stream_back_at = 0.0  # when the NATS connection last came back
+        self._longest_lease_s = 0.0  # the longest lease any announce asked for
+        self._rewind_partitions: set[int] = set()  # partitions to rewind to their ack floor (lost deliveries)
+        self._rewound_for: set[tuple[str, str]] = set()  # gaps a rewind was already tried for
         self._ahead_since: dict[tuple[str, str], float] = {}
         self._last_resync: dict[tuple[str, str], float] = {}
         self.hash_validator = (HashValidator(budget_pages_per_s=config.hash_check_budget or None)
@@ -143,6 +188,7 @@ class Processor:
         self.js = self.nc.jetstream()
         try:
             total = await ensure_streams(self.js, self.cfg.streams, partitions_explicit=self.cfg.partitions_explicit)
+            self.total_partitions = total
             self.partitions = (self.cfg.partitions if self.cfg.partitions is not None and not self.cfg.auto_partitions
                                else list(range(total)))
             bad = [p for p in self.partitions if not 0 <= p < total]
@@ -271,6 +317,15 @@ class Processor:
     async def _consume(self, partition: int, stop: asyncio.Event) -> None:
         pull = await self._subscribe(partition, rewind=True)
         while not stop.is_set():
+            if partition in self._rewind_partitions:
+                # A gap held back past `lost_delivery_s`: the missing batches were most likely
+                # delivered to a pull that is gone (they would come back only after ack_wait,
+                # later than the gap timeout). Rewind to the ack floor: they come back now.
+                self._rewind_partitions.discard(partition)
+                log.warning("partition %d: a gap is held back; rewinding the consumer to its ack floor", partition)
+                await pull.close()
+                pull = await self._resubscribe(partition, stop)
+                continue
             try:
                 messages = await pull.next_batch(timeout=0.5)
             except asyncio.CancelledError:
@@ -284,13 +339,7 @@ class Processor:
                     log.warning("partition %d: pull failed (%r); re-subscribing", partition, exc)
                 await asyncio.sleep(0.5)
                 await pull.close()
-                while not stop.is_set():  # a closed pull would wait forever: retry until subscribed
-                    try:
-                        pull = await self._subscribe(partition, rewind=False)
-                        break
-                    except Exception as sub_exc:  # noqa: BLE001 - e.g. no consumer leader yet (NATS cluster)
-                        log.warning("partition %d: re-subscribing failed (%r); retrying", partition, sub_exc)
-                        await asyncio.sleep(0.5)
+                pull = await self._resubscribe(partition, stop)
                 continue
             if not messages:
                 continue
@@ -311,6 +360,20 @@ class Processor:
                 await asyncio.sleep(1.0)
         await pull.close()
 
+    async def _resubscribe(self, partition: int, stop: asyncio.Event) -> PullStream:
+        """A new pull on the partition, rewound to its ack floor: deliveries made to the pull
+        that failed are redelivered at once, in order, instead of after ack_wait (which is
+        longer than the gap timeout: they would arrive after their successors had rebased the
+        worker). Retries until subscribed: a closed pull would wait forever."""
+        while True:
+            try:
+                return await self._subscribe(partition, rewind=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. no consumer leader yet (NATS cluster)
+                if stop.is_set():
+                    raise
+                log.warning("partition %d: re-subscribing failed (%r); retrying", partition, exc)
+                await asyncio.sleep(0.5)
+
     async def handle(self, messages) -> None:
         """Decode and apply messages in arrival order. Batches go to Redis in chunks of about
         `CHUNK_TRANSITIONS`, and the next chunk is decoded while Redis applies the previous
@@ -323,8 +386,19 @@ class Processor:
             message = await self._decode_or_dead_letter(msg)
             if message is None:
                 continue
-            if isinstance(message, WorkerAnnounce):
-                await self._announce(msg, message)
+            if isinstance(message, (WorkerAnnounce, WorkerExpired)):
+                # In stream order: the batches before it are applied first (an announce reads
+                # the worker's stale flag, which an earlier batch of a new epoch may clear).
+                if in_flight:
+                    await self._settle(*in_flight)
+                    in_flight = None
+                if chunk:
+                    await self._settle(chunk, asyncio.create_task(self._apply_chunk(chunk)))
+                    chunk, size = [], 0
+                if isinstance(message, WorkerAnnounce):
+                    await self._announce(msg, message)
+                else:
+                    await self._expired(msg, message)
                 continue
             chunk.append((msg, message))
             size += sum(len(getattr(e, "hashes", ())) for e in message.events) + 1
@@ -343,7 +417,8 @@ class Processor:
 
     async def _announce(self, msg, announce: WorkerAnnounce) -> None:
         self._models_seen.add(subject_token(announce.metadata.model))
-        stale = await asyncio.to_thread(self.writer.announce, announce)
+        self._longest_lease_s = max(self._longest_lease_s, announce.lease_ttl_s)
+        stale = await asyncio.to_thread(self.writer.announce, announce, stream_time(msg))
         self._page_sizes[(announce.metadata.model, announce.metadata.worker_id)] = announce.metadata.page_size
         ANNOUNCES.inc()
         if stale:
@@ -366,13 +441,17 @@ class Processor:
                 if await self._hold_back(msg, key, now):
                     continue
                 applied_before = result.seq
+                # The script decides again, atomically: the gap may have filled, or the worker
+                # moved to a newer epoch, since the "ahead" above was read.
                 result = await asyncio.to_thread(self.writer.apply, batch, ApplyMode.REBASE)
-                GAPS.labels("rebased").inc()
-                log.error("%s/%s: batches %d:%d..%d never arrived; state cleared and marked stale, asking the "
-                          "bridge to resync", batch.model, batch.worker_id, batch.epoch, applied_before + 1,
-                          batch.seq - 1)
+                if result.rebased:
+                    GAPS.labels("rebased").inc()
+                    log.error("%s/%s: batches %d:%d..%d never arrived; state cleared and marked stale, asking the "
+                              "bridge to resync", batch.model, batch.worker_id, batch.epoch, applied_before + 1,
+                              batch.seq - 1)
             if result.status == ApplyStatus.APPLIED:
                 self._ahead_since.pop(key, None)
+                self._rewound_for.discard(key)
                 APPLIED_BATCHES.inc()
                 APPLIED_TRANSITIONS.inc(result.transitions)
                 LAG.observe(max(0.0, now - batch.source_ts))
@@ -381,7 +460,8 @@ class Processor:
                 if result.stale:
                     await self._request_resync(batch.model, batch.worker_id, "state is stale")
             else:
-                SKIPPED.labels("duplicate" if result.status == ApplyStatus.DUPLICATE else "old_epoch").inc()
+                SKIPPED.labels({ApplyStatus.DUPLICATE: "duplicate", ApplyStatus.OLD_EPOCH: "old_epoch",
+                                ApplyStatus.GONE: "worker_gone"}.get(result.status, "other")).inc()
             await msg.ack()
 
     async def _check_hashes(self, batch: EventBatch) -> None:
@@ -428,9 +508,14 @@ class Processor:
         first = self._ahead_since.setdefault(key, now)
         if now - first < self.cfg.gap_timeout_s:
             GAPS.labels("waiting").inc()
+            if now - first >= self.cfg.lost_delivery_s and key not in self._rewound_for:
+                self._rewound_for.add(key)  # once per gap: a real one waits out the gap timeout
+                with contextlib.suppress(ValueError, IndexError):
+                    self._rewind_partitions.add(int(msg.subject.rsplit(".", 1)[1]))
             await msg.nak(delay=0.2)
             return True
         self._ahead_since.pop(key, None)
+        self._rewound_for.discard(key)
         return False
 
     async def _decode_or_dead_letter(self, msg):
@@ -480,15 +565,18 @@ class Processor:
     async def _housekeeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                for model, worker, pages in await asyncio.to_thread(self.writer.expire_dead_workers):
-                    EXPIRED.inc()
-                    log.warning("%s/%s: lease expired; removed its %d pages", model, worker, pages)
+                if self._stream_reachable_long_enough():
+                    await self._record_expired_leases()
                 STALE_WORKERS.set(await asyncio.to_thread(self.writer.count_stale_workers))
+                PARTIAL_WORKERS.set(await asyncio.to_thread(self.writer.count_partial_workers))
+                for model, worker in await asyncio.to_thread(self.writer.forget_dead_workers,
+                                                             self.cfg.worker_retention_s):
+                    FORGOTTEN.inc()
+                    self._forget(model, worker)
+                    log.info("%s/%s: gone for more than %.0fs; forgotten", model, worker,
+                             self.cfg.worker_retention_s)
                 await self._probe_incarnations()
                 await self._persist_hash_checks()
-                for partition in self.partitions:
-                    info = await self.js.consumer_info(EVENTS_STREAM, f"{self.cfg.durable_prefix}-p{partition}")
-                    PENDING.labels(str(partition)).set(info.num_pending)
             except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
                 log.warning("housekeeping failed: %s", exc)
             except Exception:  # noqa: BLE001 - housekeeping must outlive any one bad sweep
@@ -497,6 +585,79 @@ class Processor:
                 await asyncio.wait_for(stop.wait(), self.cfg.reap_interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def _record_expired_leases(self) -> None:
+        """Record in the stream, as WorkerExpired decisions, the leases that ran out before
+        their partition was settled. They take effect when consumed, in stream order (so a
+        replay expires exactly the same workers); two processors recording the same decision
+        store it once (same Nats-Msg-Id)."""
+        settled = await self._settled_partitions()
+        for token, worker, lease_ms, epoch, seq in await asyncio.to_thread(
+                self.writer.expirable_workers, time.time(), settled, self.total_partitions):
+            if self._recorded_expiry.get((token, worker)) == lease_ms:
+                continue  # recorded already; waiting for it to come round
+            decision = WorkerExpired(model=token, worker_id=worker, lease_expiry_ms=lease_ms, ts=time.time(),
+                                     epoch=epoch, seq=seq)
+            await self.js.publish(events_subject(token, worker), encode_message(decision),
+                                  headers={"Nats-Msg-Id": decision.msg_id}, timeout=5.0)
+            self._recorded_expiry[(token, worker)] = lease_ms
+
+    async def _expired(self, msg, decision: WorkerExpired) -> None:
+        removed = await asyncio.to_thread(self.writer.expire_worker, decision.model, decision.worker_id,
+                                          decision.lease_expiry_ms)
+        if removed >= 0:
+            EXPIRED.inc()
+            log.warning("%s/%s: lease expired; removed its %d pages", decision.model, decision.worker_id, removed)
+        self._recorded_expiry.pop((subject_token(decision.model), decision.worker_id), None)
+        await msg.ack()
+
+    def _stream_reachable_long_enough(self) -> bool:
+        """Leases may be expired only once NATS has been reachable for twice the longest lease:
+        while the broker was down no bridge could renew one, and a live worker's bridge
+        reconnects and announces within a heartbeat or two of it coming back."""
+        if not self.nc.is_connected:
+            return False
+        reconnects = self.nc.stats.get("reconnects", 0)
+        if reconnects != self._reconnects_seen:
+            self._reconnects_seen = reconnects
+            self._stream_back_at = time.time()
+        return time.time() >= self._stream_back_at + 2 * self._longest_lease_s
+
+    def _forget(self, model_token: str, worker: str) -> None:
+        """Drop what this process keeps per worker (its dictionaries are keyed by model name)."""
+        known = set(self._page_sizes) | set(self._ahead_since) | set(self._last_resync) | self._rewound_for
+        for key in [k for k in known if subject_token(k[0]) == model_token and k[1] == worker]:
+            self._page_sizes.pop(key, None)
+            self._ahead_since.pop(key, None)
+            self._last_resync.pop(key, None)
+            self._rewound_for.discard(key)
+            if self.hash_validator is not None:
+                self.hash_validator.drop_worker(key[0], worker)
+
+    async def _settled_partitions(self) -> dict[int, float]:
+        """Per partition, the stream time up to which every message has been applied and
+        acked (its consumer's ack floor): a lease that ran out before it is final, since any
+        announce renewing it would have come earlier in the stream. A partition behind (its
+        owner down or catching up, a gap held back) is settled only up to its floor. Every
+        partition is looked at, owned or not, so a dead processor's workers are expired once
+        its partitions are taken over and caught up."""
+        settled: dict[int, float] = {}
+        now = time.time()
+        for partition in range(self.total_partitions):
+            try:
+                info = await self.js.consumer_info(EVENTS_STREAM, f"{self.cfg.durable_prefix}-p{partition}")
+            except nats.js.errors.NotFoundError:
+                continue  # nobody has consumed it yet
+            if partition in self.partitions:
+                PENDING.labels(str(partition)).set(info.num_pending)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                settled[partition] = now
+                continue
+            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            if floor:
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    settled[partition] = _timestamp((await self.js.get_msg(EVENTS_STREAM, floor)).time)
+        return settled
 
     # --- state-store loss: detection and rebuild from the stream ---------------------------
     async def _probe_incarnations(self) -> None:
@@ -627,7 +788,8 @@ class Processor:
             if position is None or position[1] <= 0 or position[2] <= 0:
                 continue  # no batch of an epoch yet: nothing to rebuild
             worker_id, epoch, seq, lease_s = position
-            live = last.time.timestamp() + (lease_s or self.cfg.default_lease_s) >= now if last.time else True
+            lease_s = self.cfg.default_lease_s if lease_s is None else lease_s
+            live = last.time.timestamp() + lease_s >= now if last.time and lease_s > 0 else lease_s != 0
             start, before = await self._epoch_start(subject, epoch, first, last.seq)
             plans.append(RebuildPlan(worker_id, epoch, seq, start, before if before is not None else seq,
                                      int(tokens[4]), live))
@@ -655,6 +817,8 @@ class Processor:
             return found.seq, None
         if isinstance(message, EventBatch):
             return found.seq, message.seq - 1
+        if isinstance(message, WorkerExpired):
+            return found.seq, message.seq
         return found.seq, message.cursor.seq  # an announcement: the next batch follows its cursor
 
     async def _rewind(self, starts: dict[int, int]) -> bool:
@@ -695,4 +859,6 @@ def _position(data: bytes | None) -> tuple[str, int, int, float | None] | None:
         return None
     if isinstance(message, WorkerAnnounce):
         return message.metadata.worker_id, message.cursor.epoch, message.cursor.seq, message.lease_ttl_s
+    if isinstance(message, WorkerExpired):
+        return message.worker_id, message.epoch, message.seq, 0.0  # no lease left
     return message.worker_id, message.epoch, message.seq, None

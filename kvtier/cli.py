@@ -297,7 +297,7 @@ def _add_replay_parsers(sub) -> None:
     tail.add_argument("--worker", default=None, help="Only this worker.")
     tail.add_argument("--tier", choices=["device", "host", "disk", "external"], default=None,
                       help="Only stores/removes on this tier.")
-    tail.add_argument("--kind", choices=["stored", "removed", "cleared", "announce"], default=None,
+    tail.add_argument("--kind", choices=["stored", "removed", "cleared", "announce", "expired"], default=None,
                       help="Only this kind of event.")
     when = tail.add_mutually_exclusive_group()
     when.add_argument("--since", default=None,
@@ -507,10 +507,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap-timeout", type=_positive_float, default=10.0, dest="gap_timeout_s",
                    help="Seconds to wait for a missing batch before the worker is cleared, marked stale and asked "
                         "to resync.")
+    p.add_argument("--lost-delivery-after", type=_positive_float, default=1.0, dest="lost_delivery_s",
+                   help="A gap held back this long is taken for deliveries lost with a pull: the partition's consumer "
+                        "is rewound to its ack floor (once per gap), so they come back before --gap-timeout.")
     p.add_argument("--ack-wait", type=_positive_float, default=30.0, dest="ack_wait_s",
                    help="JetStream ack wait of the consumers (redelivery delay of unacked messages).")
     p.add_argument("--reap-interval", type=_positive_float, default=1.0, dest="reap_interval_s",
                    help="Seconds between lease-expiry sweeps.")
+    p.add_argument("--partition-lease", type=_positive_float, default=5.0, dest="partition_lease_s",
+                   help="With --partitions auto: seconds a partition's lease lasts unrenewed (a dead processor's "
+                        "partitions are taken over after it).")
+    p.add_argument("--worker-retention", type=_positive_float, default=3600.0, dest="worker_retention_s",
+                   help="Seconds a dead worker's leftovers (meta, state, set members) are kept before it is forgotten.")
     p.add_argument("--hash-check", choices=["on", "off"], default="on",
                    help="Recompute SGLang's page hash of every stored page from its tokens and record mismatches per "
                         "worker (kvt:{model}:hash_check, /metrics, the router's /healthz). 'off' saves the CPU "
@@ -820,7 +828,10 @@ def _add_faults_parser(bench_sub) -> None:
                     "the stream and with every engine's own view. Exit 0 when nothing diverges and every fault "
                     "recovered, else 1.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    fp.add_argument("--faults", type=_positive_int, default=24, help="Faults to inject (>= 7 covers every kind).")
+    fp.add_argument("--faults", type=_positive_int, default=24, help="Faults to inject (>= 11 covers every kind).")
+    fp.add_argument("--lease", type=_positive_float, default=5.0,
+                    help="The workers' lease in seconds (bridges announce every quarter of it); the long faults "
+                         "(processor, all processors, NATS down) last twice as long.")
     fp.add_argument("--seed", type=int, default=1, help="Seed of the schedule, the targets and the workload.")
     fp.add_argument("--duration", type=_positive_float, default=150.0,
                     help="Seconds of event stream the faults are spread over.")
@@ -997,7 +1008,8 @@ def main(argv: list[str] | None = None) -> int:
                 nats_url=args.nats, redis_url=args.redis,
                 partitions=None if args.partitions == "auto" else args.partitions,
                 auto_partitions=args.partitions == "auto",
-                durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s,
+                durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s, lost_delivery_s=args.lost_delivery_s,
+                worker_retention_s=args.worker_retention_s, partition_lease_s=args.partition_lease_s,
                 ack_wait_s=args.ack_wait_s, reap_interval_s=args.reap_interval_s, streams=streams,
                 partitions_explicit=explicit, hash_check=args.hash_check == "on",
                 hash_check_budget=args.hash_check_budget,

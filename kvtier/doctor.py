@@ -108,6 +108,8 @@ class WorkerView(msgspec.Struct, kw_only=True):
     seq: int = 0
     stale: bool = False
     stale_reason: str = ""
+    #: Its epoch began after the engine's first batch: routed to, missing what the engine held.
+    partial: bool = False
     gaps: int = 0
     applied_ago_s: float | None = None
     pages: dict[str, int] = {}
@@ -317,6 +319,15 @@ def check_workers(redis_view: RedisView) -> list[Finding]:
             why, fix = describe_stale(w.stale_reason, w.gaps)
             out.append(Finding(check="workers", status=Status.WARN, subject=w.key,
                                finding=f"stale, routers skip it: {why}", fix=fix))
+        for w in live:
+            if w.partial and not w.stale:
+                out.append(Finding(
+                    check="workers", status=Status.WARN, subject=w.key,
+                    finding="partial: its state began after the engine's first batch (a bridge restart it could not "
+                            "prove, an unrecoverable gap or a resync), so it holds only what the engine's replay "
+                            "buffer still had; routers still send it work but credit it for fewer pages than it has",
+                    fix="nothing to do: it clears by itself once the engine reports a cache flush or has turned its "
+                        "device cache over; a larger SGLang replay buffer makes it rarer"))
         for w in dead:
             why, fix = describe_stale(w.stale_reason or "lease_expired", w.gaps)
             out.append(Finding(check="workers", status=Status.WARN, subject=w.key,
@@ -796,7 +807,8 @@ def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Worke
             pass
     return WorkerView(
         model=row["model"], worker=row["worker"], lease_left_s=row["lease_left_s"], epoch=row["epoch"],
-        seq=row["seq"], stale=row["stale"], stale_reason=row["stale_reason"], gaps=row["gaps"],
+        seq=row["seq"], stale=row["stale"], stale_reason=row["stale_reason"], partial=row["partial"],
+        gaps=row["gaps"],
         applied_ago_s=row["applied_ago_s"], pages=row["pages"],
         tiers_seen=int(tiers_seen) if tiers_seen is not None else None,
         page_size=size, meta=meta, hicache=hicache, hash_check=check)
@@ -806,7 +818,7 @@ async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> N
     import nats
     import nats.js.errors
 
-    from kvtier.schemas.events import EventBatch, WorkerAnnounce, decode_message
+    from kvtier.schemas.events import EventBatch, WorkerAnnounce, WorkerExpired, decode_message
     from kvtier.streams import partitions_of
 
     import ssl
@@ -888,6 +900,8 @@ async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> N
                     last = LastMessage(kind="batch", age_s=age, epoch=message.epoch, seq=message.seq)
                 elif isinstance(message, WorkerAnnounce):
                     last = LastMessage(kind="announce", age_s=age, epoch=message.cursor.epoch, seq=message.cursor.seq)
+                elif isinstance(message, WorkerExpired):
+                    last = LastMessage(kind="expired", age_s=age, epoch=message.epoch, seq=message.seq)
                 else:
                     last = LastMessage(kind="unreadable", age_s=age)
                 view.last_messages[w.key] = last

@@ -34,6 +34,7 @@ from kvtier.schemas.events import (
     PagesStored,
     UnsupportedVersion,
     WorkerAnnounce,
+    WorkerExpired,
     decode_message,
 )
 from kvtier.schemas.hashes import page_key
@@ -70,6 +71,14 @@ def lines_of(msg: StreamMsg, filters: Filters, show_pages: int = 3) -> list[tupl
         return [(text, {"seq": msg.seq, "time": msg.time, "model": m.model, "worker": m.worker_id, "kind": "announce",
                         "tier": None, "epoch": c.epoch, "worker_seq": c.seq, "page_size": m.page_size,
                         "lease_ttl_s": message.lease_ttl_s})]
+    if isinstance(message, WorkerExpired):
+        if filters.tier or filters.kind not in (None, "expired"):
+            return []
+        text = (f"{head} {message.model}/{message.worker_id} e{message.epoch}:{message.seq} expired: its lease ran "
+                f"out at {iso(message.lease_expiry_ms / 1000)} (a processor's decision)")
+        return [(text, {"seq": msg.seq, "time": msg.time, "model": message.model, "worker": message.worker_id,
+                        "kind": "expired", "tier": None, "epoch": message.epoch, "worker_seq": message.seq,
+                        "lease_expiry_ms": message.lease_expiry_ms})]
     return _batch_lines(msg, message, head, filters, show_pages)
 
 

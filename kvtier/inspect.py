@@ -34,6 +34,7 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                 "epoch": int(state.get("epoch", 0) or 0), "seq": int(state.get("seq", 0) or 0),
                 "source_seq": int(state.get("source_seq", -1) or -1),
                 "stale": state.get("stale") == "1", "stale_reason": state.get("stale_reason", ""),
+                "partial": state.get("partial") == "1",
                 "last_epoch_reason": state.get("last_epoch_reason", ""), "gaps": int(state.get("gaps", 0) or 0),
                 "applied_ago_s": round((now_ms - applied_ms) / 1000, 1) if applied_ms else None,
                 "pages": {tier.value: int(state.get(f"n{tier.bit}", 0) or 0) for tier in TIER_PRIORITY},
@@ -56,7 +57,7 @@ def run_inspect(args) -> int:
     for r in rows:
         lease = "dead" if r["lease_left_s"] is None or r["lease_left_s"] < 0 else f"{r['lease_left_s']}s"
         ago = "-" if r["applied_ago_s"] is None else f"{r['applied_ago_s']}s"
-        status = f"STALE ({r['stale_reason']})" if r["stale"] else "ok"
+        status = f"STALE ({r['stale_reason']})" if r["stale"] else ("PARTIAL" if r["partial"] else "ok")
         if r["gaps"]:
             status += f", {r['gaps']} gaps"
         p = r["pages"]

@@ -39,7 +39,7 @@ from typing import Any, Iterable, Sequence, Union
 import msgspec
 
 from kvtier.connections import redact, redis_client
-from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, decode_message
+from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
 from kvtier.schemas.state_keys import ModelKeys, page_member
 from kvtier.schemas.subjects import EVENTS_STREAM, stored_events_subject_pattern
@@ -341,7 +341,7 @@ class EventWatcher:
             return
         self.last_arrival = time.monotonic()
         self.seen.append(_Seen(msg.metadata.sequence.stream, message))
-        position = ((message.epoch, message.seq) if isinstance(message, EventBatch)
+        position = ((message.epoch, message.seq) if isinstance(message, (EventBatch, WorkerExpired))
                     else (message.cursor.epoch, message.cursor.seq))
         if self.latest is None or position > self.latest:
             self.latest = position

@@ -4,8 +4,8 @@ processor's own apply code, and compared with the live state.
 The stream is the write model (consumers/README.md): reading KVTIER_EVENTS from its first
 retained message up to a bound (a stream sequence or a time) and applying every message with
 `TierStateWriter` -- batches through `apply.lua`, announcements through
-`TierStateWriter.announce`, lease expiry through `expire_dead_workers` at the moments the
-processor's sweep would have run it -- gives the state the processors had then. It is
+`TierStateWriter.announce`, lease expiries through the WorkerExpired decisions the processors
+recorded in the stream, where they recorded them -- gives the state the processors had then. It is
 written into a scratch namespace: the same layout under another key root
 (`<namespace>:{model}:...`, see schemas/state_keys.py), or with `--into-db N` under the
 usual root in another Redis database (not on Redis Cluster, which has only database 0).
@@ -18,7 +18,9 @@ Where replay has to differ from a processor (said in its report):
   processor waited `--gap-timeout` first; the state after it is the same;
 - a worker whose epoch began before the first retained message cannot be rebuilt: its first
   retained batch is rebased (cleared, marked stale), exactly as a processor treats a gap;
-- leases are measured from the message's stream timestamp, not its arrival at a processor.
+- leases are measured from the message's stream timestamp, as processors measure them; a
+  lease is expired only where a processor's decision is in the stream (streams written before
+  processors recorded them show no expiry at all).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import redis
 from kvtier.connections import redact, redis_client
 from kvtier.timefmt import iso, parse_time  # noqa: F401 - re-exported for explain and events tail
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
-from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, decode_message
+from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
@@ -362,32 +364,22 @@ class _Rebuild:
         self.writer, self.report, self.truncated = writer, report, truncated
         self.chunk: list[EventBatch] = []
         self.size = 0
-        self.leases: dict[tuple[str, str], int] = {}  # (model token, worker) -> lease expiry (ms)
-        self.next_expiry = float("inf")  # a lower bound of min(leases): leases only move later
         self.epoch_seen: dict[tuple[str, str], tuple[int, int]] = {}
         self.incomplete: set[str] = set()
 
-    def expire_until(self, now: float) -> None:
-        """Run the processor's lease sweep as of `now` if a lease written by the replay ran out."""
-        now_ms = int(now * 1000)
-        if now_ms < self.next_expiry:
-            return
-        self.next_expiry = min(self.leases.values(), default=float("inf"))
-        if now_ms < self.next_expiry:
-            return
+    def expired(self, decision: WorkerExpired, at: float) -> None:
+        """A processor's recorded lease expiry, applied where the stream has it, as the
+        processor applies it: so the replay expires exactly the workers the live state did."""
         self.flush()
-        for token, worker, pages in self.writer.expire_dead_workers(now=now):
-            self.leases.pop((token, worker), None)
-            self.report.expired.append({"model": token, "worker": worker, "pages": pages, "at": iso(now)})
-        self.next_expiry = min(self.leases.values(), default=float("inf"))
+        pages = self.writer.expire_worker(decision.model, decision.worker_id, decision.lease_expiry_ms)
+        if pages >= 0:
+            self.report.expired.append({"model": subject_token(decision.model), "worker": decision.worker_id,
+                                        "pages": pages, "at": iso(at)})
 
     def announce(self, announce: WorkerAnnounce, at: float) -> None:
         self.flush()
         meta = announce.metadata
-        self.writer.announce(announce, received_at=at)
-        expiry = int((at + announce.lease_ttl_s) * 1000)
-        self.leases[(subject_token(meta.model), meta.worker_id)] = expiry
-        self.next_expiry = min(self.next_expiry, expiry)
+        self.writer.announce(announce, at=at)
         self.report.announces += 1
         cursor = announce.cursor
         applied = self.epoch_seen.get((meta.model, meta.worker_id), (0, 0))
@@ -484,7 +476,6 @@ async def rebuild(nats_url: str, scratch: Scratch, *, model: str | None = None, 
         else:
             end = time.time()
         report.end_time = end
-        state.expire_until(end)
         state.flush()
         if first > 1:
             report.warnings.insert(0, f"the stream begins at seq {first} ({iso(report.stream_first_time)}): "
@@ -521,7 +512,6 @@ def _check_bounds(report: ReplayReport, at_seq: int | None, at_time: float | Non
 def _apply_message(state: _Rebuild, msg: StreamMsg) -> None:
     report = state.report
     report.messages += 1
-    state.expire_until(msg.time)
     try:
         message = decode_message(msg.data)
     except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
@@ -532,6 +522,8 @@ def _apply_message(state: _Rebuild, msg: StreamMsg) -> None:
         return
     if isinstance(message, WorkerAnnounce):
         state.announce(message, msg.time)
+    elif isinstance(message, WorkerExpired):
+        state.expired(message, msg.time)
     else:
         state.add(message)
     report.last_seq, report.last_time = msg.seq, msg.time

@@ -2,7 +2,7 @@
 
 Per DP rank (port base + r) one `RankBridge` keeps the worker's order end to end:
 - every engine batch is forwarded once, in engine seq order, inside gap-free (epoch, seq)
-  kvtier batches published one at a time with `Nats-Msg-Id = worker:epoch:seq`;
+  kvtier batches published one at a time with `Nats-Msg-Id = model:worker:epoch:seq`;
 - a seq gap is filled from SGLang's replay socket; if the buffer no longer has it, or the
   engine restarted (seq went back), a new epoch begins, which clears the worker's state
   downstream, and the replay buffer is forwarded to rebuild as much as it holds;
@@ -40,6 +40,7 @@ from kvtier.schemas.events import (
     EventBatch,
     TierEvent,
     WorkerAnnounce,
+    WorkerExpired,
     decode_control,
     decode_message,
     encode_message,
@@ -64,6 +65,10 @@ GAPS = Counter("kvtier_bridge_gaps_total", "Engine seq gaps", ["worker", "recove
 EPOCHS = Counter("kvtier_bridge_epochs_total", "New epochs begun", ["worker", "reason"])
 DEAD_LETTERS = Counter("kvtier_bridge_dead_letters_total", "Engine input dead-lettered", ["worker"])
 PUBLISH_RETRIES = Counter("kvtier_bridge_publish_retries_total", "JetStream publish retries", ["worker"])
+#: Dead letters of one engine batch published concurrently (each acked by the stream).
+DEAD_LETTERS_IN_FLIGHT = 256
+DUPLICATES = Counter("kvtier_bridge_duplicate_publishes_total",
+                     "Batches the stream dropped as duplicates of a message this bridge did not send", ["worker"])
 LAST_SEQ = Gauge("kvtier_bridge_last_engine_seq", "Last engine seq forwarded", ["worker"])
 
 
@@ -131,6 +136,7 @@ class RankBridge:
         self.epoch = 0
         self.seq = 0
         self.pending_reason: EpochReason | None = None
+        self.pending_from_start = False  # the pending epoch begins at the engine's first batch
         self.source_seq_last = -1
         self.source_ts_last = 0.0
         self.lock = asyncio.Lock()
@@ -145,7 +151,11 @@ class RankBridge:
         control = await self.nc.subscribe(control_subject(self.cfg.model, self.cfg.worker_id), cb=self._on_control)
         try:
             async with self.lock:
-                await self._start(await self._load_cursor())
+                cursor = await self._load_cursor()
+                # Renew the lease first: catching up from the replay buffer can take longer
+                # than a lease, and the worker is alive all along.
+                await self._announce(cursor)
+                await self._start(cursor)
                 await self._announce()
             tasks = [asyncio.create_task(self._live(sub)), asyncio.create_task(self._heartbeat())]
             stopper = asyncio.create_task(self.stopping.wait())
@@ -176,6 +186,8 @@ class RankBridge:
             return None
         if isinstance(message, WorkerAnnounce):
             return message.cursor
+        if isinstance(message, WorkerExpired):
+            return None  # the worker was expired (its state cleared): nothing to continue
         return BridgeCursor(epoch=message.epoch, seq=message.seq, source_seq_last=message.source_seq_last,
                             source_ts_last=message.source_ts_last)
 
@@ -202,6 +214,9 @@ class RankBridge:
                              cursor: BridgeCursor | None = None) -> None:
         """Begin a new epoch holding what the engine's replay buffer still has."""
         self._begin_epoch(reason, cursor)
+        # An empty buffer: the engine has published nothing since it started, so this epoch
+        # will hold its whole history.
+        self.pending_from_start = buffered == []
         await self._forward(buffered or [])
         if self.pending_reason is not None:
             await self._publish_events([], None)  # announce the epoch now: clears stale state
@@ -211,6 +226,7 @@ class RankBridge:
         self.epoch = max(int(time.time() * 1000), floor + 1)
         self.seq = 0
         self.pending_reason = reason
+        self.pending_from_start = False
         self.sequencer.reset()
         self.source_seq_last, self.source_ts_last = -1, 0.0
         EPOCHS.labels(self._label, reason.value).inc()
@@ -310,8 +326,11 @@ class RankBridge:
                 continue
             BATCHES.labels(self._label, "forwarded").inc()
             converted = convert_batch(decoded, self.cfg.keep_token_ids)
-            for bad, reason in converted.rejected:
-                await self._dead_letter(bad, reason, raw.seq)
+            # Many at once, so a batch of thousands of bad events costs round trips in parallel,
+            # not one after another (each dead letter is still acked by the stream).
+            for start in range(0, len(converted.rejected), DEAD_LETTERS_IN_FLIGHT):
+                await asyncio.gather(*(self._dead_letter(bad, reason, raw.seq)
+                                       for bad, reason in converted.rejected[start:start + DEAD_LETTERS_IN_FLIGHT]))
             events.extend(converted.events)
             first_ts = source_timestamp(decoded.ts, time.time()) if first_ts is None else first_ts
         last_raw, last_decoded = ready[-1]
@@ -325,11 +344,15 @@ class RankBridge:
         chunks = _chunk_by_pages(events, self.cfg.max_pages_per_message, self._max_events_bytes()) or [[]]
         for chunk in chunks:
             self.seq += 1
+            # The epoch's first batch says whether it begins at the engine's first batch.
+            from_start = self.pending_reason is not None and (first_seq == 0 if first_seq >= 0
+                                                             else self.pending_from_start)
             batch = EventBatch(
                 worker_id=self.cfg.worker_id, model=self.cfg.model, dp_rank=self.cfg.dp_rank,
                 epoch=self.epoch, seq=self.seq, ts=time.time(), source_ts=source_ts or time.time(),
                 source_seq_first=first_seq, source_seq_last=self.source_seq_last,
-                source_ts_last=self.source_ts_last, epoch_reason=self.pending_reason, events=chunk,
+                source_ts_last=self.source_ts_last, epoch_reason=self.pending_reason,
+                epoch_from_start=from_start, events=chunk,
             )
             self.pending_reason = None
             await self._publish(self.subject, encode_message(batch), {"Nats-Msg-Id": batch.msg_id})
@@ -341,9 +364,17 @@ class RankBridge:
         retry after a lost ack is dropped as a duplicate by the broker): order is kept
         because nothing later is published before this one is stored."""
         delay = 0.05
+        retried = False
         while True:
             try:
-                await self.js.publish(subject, data, headers=headers, timeout=5.0)
+                ack = await self.js.publish(subject, data, headers=headers, timeout=5.0)
+                if ack.duplicate and not retried:
+                    # Not a retry of ours: another publisher used this id (a second bridge for
+                    # the same worker, or a copied stream): this batch was NOT stored.
+                    DUPLICATES.labels(self._label).inc()
+                    log.error("%s: the stream dropped %s as a duplicate of a message this bridge did not send "
+                              "(is another bridge publishing for this worker?)", self._label,
+                              (headers or {}).get("Nats-Msg-Id"))
                 return
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
                     nats.js.errors.APIError, nats.errors.ConnectionReconnectingError,
@@ -351,9 +382,12 @@ class RankBridge:
                 if self.stopping.is_set() and isinstance(exc, nats.errors.ConnectionClosedError):
                     raise
                 PUBLISH_RETRIES.labels(self._label).inc()
+                retried = True
                 log.warning("%s: publish to %s failed (%s); retrying in %.2fs", self._label, subject, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                # Never back off longer than a heartbeat: once the broker is back, the worker's
+                # lease must be renewed well within its length.
+                delay = min(delay * 2, 2.0, self.cfg.heartbeat_s)
 
     def _max_events_bytes(self) -> int:
         """What a message's events may take: the server's max_payload less room for the rest
@@ -374,11 +408,13 @@ class RankBridge:
         await self._publish(dlq_subject("bridge", self.cfg.model, self.cfg.worker_id), data, headers)
 
     # --- lease, metadata, control ---------------------------------------------------------
-    async def _announce(self) -> None:
+    async def _announce(self, cursor: BridgeCursor | None = None) -> None:
+        """Metadata and lease, with where this bridge stands (or, before it has started,
+        `cursor`: where the stream says the previous bridge stood)."""
         announce = WorkerAnnounce(
             metadata=self.metadata, ts=time.time(), lease_ttl_s=self.cfg.lease_ttl_s,
-            cursor=BridgeCursor(epoch=self.epoch, seq=self.seq, source_seq_last=self.source_seq_last,
-                                source_ts_last=self.source_ts_last),
+            cursor=cursor or BridgeCursor(epoch=self.epoch, seq=self.seq, source_seq_last=self.source_seq_last,
+                                          source_ts_last=self.source_ts_last),
         )
         await self._publish(self.subject, encode_message(announce))
 

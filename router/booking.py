@@ -49,6 +49,7 @@ class LoadBook:
         """`client`: a redis.asyncio client."""
         self._select = client.register_script(_COMMON + load_script("select_and_book.lua"))
         self._release = client.register_script(_COMMON + load_script("release.lua"))
+        self._reconcile = client.register_script(_COMMON + load_script("reconcile_loads.lua"))
         self.ttl_ms = int(booking_ttl_s * 1000)
 
     async def select_and_book(self, model: str, request_id: str, request_pages: int, decode_pages: int,
@@ -80,6 +81,14 @@ class LoadBook:
         raw = await self._release(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
                                   args=[keys.base, request_id, stage.value, _now_ms(), 32])
         return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]))
+
+    async def reconcile(self, model: str) -> bool:
+        """Recompute the model's booked loads from its live bookings; True if they had drifted
+        (load a lost booking could not give back, now returned)."""
+        keys = ModelKeys.for_model(model)
+        _, corrected = await self._reconcile(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
+                                             args=[keys.base, _now_ms(), SWEEP_LIMIT])
+        return bool(int(corrected))
 
     async def sweep(self, model: str) -> None:
         """Give back the load of expired bookings (also done a little on every selection)."""

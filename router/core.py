@@ -17,6 +17,7 @@ workers (or, with no lease left, the last known ones) are chosen on load alone
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import random
@@ -47,7 +48,15 @@ from .booking import AlreadyBooked, LoadBook
 from .hashing import RequestPages
 from .metrics import RouterMetrics
 from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
-from .state import ModelDirectory, OverlapReader, WorkerDirectory, WorkerStatus, WorkerView, read_hash_mismatches
+from .state import (
+    ModelDirectory,
+    OverlapReader,
+    WorkerDirectory,
+    WorkerStatus,
+    WorkerView,
+    read_hash_mismatches,
+    read_partial_workers,
+)
 
 log = logging.getLogger("kvtier.router")
 
@@ -57,6 +66,8 @@ DEGRADED_ONLY_STALE = "only-stale-workers"
 DEGRADED_REBUILDING = "state-store-rebuilding"
 #: Router modes that pick by a baseline rule instead of the score (RouterSettings.selection).
 SELECTIONS = ("round-robin", "random")
+#: How often housekeeping recomputes each model's booked load from its live bookings (seconds).
+RECONCILE_INTERVAL_S = 10.0
 #: How often housekeeping re-reads the processors' hash checks (seconds).
 HASH_CHECK_REFRESH_S = 5.0
 
@@ -101,20 +112,41 @@ class Outcome:
 
 
 class _Fallback:
-    """Routing without Redis: least in-flight on this replica, round robin among ties."""
+    """Routing without Redis: least in-flight on this replica, round robin among ties. The
+    in-flight map is bounded: an entry leaves on its `complete` release, when it is older
+    than `ttl_s` (a request whose release never came), or when `max_entries` newer ones
+    came after it, so a long outage neither grows it nor skews the counts for good."""
 
-    def __init__(self) -> None:
-        self.in_flight: dict[str, str] = {}  # request id -> worker
+    def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000, clock=time.monotonic) -> None:
+        self.in_flight: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
         self._turn = itertools.count()
 
+    def _prune(self) -> None:
+        oldest = self._clock() - self.ttl_s
+        while self.in_flight and (len(self.in_flight) > self.max_entries
+                                  or next(iter(self.in_flight.values()))[1] < oldest):
+            self.in_flight.popitem(last=False)
+
     def choose(self, workers: list[str]) -> str:
+        self._prune()
         counts = {w: 0 for w in workers}
-        for worker in self.in_flight.values():
+        for worker, _ in self.in_flight.values():
             if worker in counts:
                 counts[worker] += 1
         low = min(counts.values())
         ties = [w for w in workers if counts[w] == low]
         return ties[next(self._turn) % len(ties)]
+
+    def book(self, request_id: str, worker: str) -> None:
+        self.in_flight[request_id] = (worker, self._clock())
+        self.in_flight.move_to_end(request_id)
+        self._prune()
+
+    def release(self, request_id: str) -> bool:
+        return self.in_flight.pop(request_id, None) is not None
 
 
 class Router:
@@ -130,13 +162,15 @@ class Router:
         self.decision_log = decision_log
         self.rng = rng or random.Random()
         self.router_id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
-        self._fallback = _Fallback()
+        self._fallback = _Fallback(ttl_s=settings.booking_ttl_s)
+        self._reconciled_at = -1e9  # when housekeeping last recomputed loads from bookings
         self._state_down_until = 0.0
         self._warned_page_size: set[tuple[str, str]] = set()
         self.last_state_error = ""
         self.last_shared_pool_error = ""
         self.models_seen: set[str] = set()
         self.hash_mismatches: list[tuple[str, HashCheck]] = []
+        self.partial_workers: dict[str, list[str]] = {}
         self._hash_checks_read_at = -1e9
 
     # --- state-store health ------------------------------------------------------------
@@ -358,7 +392,9 @@ class Router:
             raise NoWorkers(f"{why} and no worker of model {request.model!r} known to this router yet")
         workers = sorted(directory.workers)
         worker_id = self._fallback.choose(workers)
-        self._fallback.in_flight[request_id] = worker_id
+        if request.book:  # a dry run holds nothing
+            self._fallback.book(request_id, worker_id)
+        self.metrics.fallback_in_flight.set(len(self._fallback.in_flight))
         page_size = _most_common_page_size(meta.page_size for meta in directory.workers.values())
         n_pages = len(request.token_ids) // page_size
         candidates = [CandidateScore(worker_id=w, logit=0.0, overlap=TierOverlap(), prefill_load=0, decode_load=0,
@@ -380,7 +416,8 @@ class Router:
 
     # --- releases -----------------------------------------------------------------------
     async def release(self, model: str, request_id: str, stage: ReleaseStage) -> ReleaseResponse:
-        if stage is ReleaseStage.COMPLETE and self._fallback.in_flight.pop(request_id, None) is not None:
+        if stage is ReleaseStage.COMPLETE and self._fallback.release(request_id):
+            self.metrics.fallback_in_flight.set(len(self._fallback.in_flight))
             self.metrics.releases.labels(stage.value, "fallback").inc()
             return ReleaseResponse(request_id=request_id, released=True)
         released = await self.book.release(model, request_id, stage)
@@ -396,6 +433,15 @@ class Router:
             for model in list(self.models_seen):
                 await self.directory.get(model, refresh=True)
                 await self.book.sweep(model)
+            now = time.monotonic()
+            if now - self._reconciled_at >= RECONCILE_INTERVAL_S:
+                # Every model in the store, not only those this replica has routed: a load left
+                # behind by replicas that are all gone is found by the first one up again.
+                self._reconciled_at = now
+                for model in await self.directory.known_models():
+                    if await self.book.reconcile(model):
+                        self.metrics.load_reconciled.inc()
+                        log.warning("model %s: booked load had drifted from its live bookings; recomputed", model)
             if time.monotonic() - self._hash_checks_read_at >= HASH_CHECK_REFRESH_S:
                 await self.refresh_hash_mismatches()
             self._state_ok()
@@ -406,6 +452,11 @@ class Router:
         """Re-read the processors' hash checks; workers that fail them are in /healthz and
         `router_worker_hash_mismatch_pages`."""
         found = await read_hash_mismatches(self.redis)
+        partial = await read_partial_workers(self.redis)
+        self.metrics.partial_workers.clear()
+        for model, workers in partial.items():
+            self.metrics.partial_workers.labels(model).set(len(workers))
+        self.partial_workers = partial
         self._hash_checks_read_at = time.monotonic()
         gauge = self.metrics.worker_hash_mismatch
         gauge.clear()

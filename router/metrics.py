@@ -49,6 +49,15 @@ class RouterMetrics:
         self.decision_log_dropped = Counter("router_decision_log_dropped",
                                             "Decisions not published (queue full or NATS error)", registry=r)
         self.state_store_up = Gauge("router_state_store_up", "1 while the last Redis call succeeded", registry=r)
+        self.load_reconciled = Counter("router_load_reconciled",
+                                       "Times a model's booked load had drifted from its live bookings and was "
+                                       "recomputed from them", registry=r)
+        self.fallback_in_flight = Gauge("router_fallback_in_flight",
+                                        "Requests this replica routed without Redis and still counts as in flight "
+                                        "(bounded, expiring)", registry=r)
+        self.partial_workers = Gauge("router_partial_workers",
+                                     "Workers whose state began after their engine's first batch (routed to, "
+                                     "but missing what the engine held before)", ["model"], registry=r)
         self.proxy_requests = Counter("router_proxy_requests", "Proxied /generate requests by outcome",
                                       ["outcome"], registry=r)
         self.worker_hash_mismatch = Gauge(

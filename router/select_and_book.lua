@@ -93,7 +93,7 @@ if book then
     end
   end
   -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
-  redis.call('PEXPIRE', bk, ttl + 60000)
+  redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
   redis.call('ZADD', KEYS[3], now + ttl, request_id)
 end
 

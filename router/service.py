@@ -212,6 +212,10 @@ class RouterService:
             "state_store": {"ok": state_ok, "error": state_error or router.last_state_error},
             "shared_pool": shared,
             "hash_scheme": hash_scheme,
+            # Routed to, but their state began after the engine's first batch: it lacks what the
+            # engine held before (until a flush or a full turnover of the device cache).
+            "partial_workers": [{"model": model, "worker_id": w} for model, workers in router.partial_workers.items()
+                                for w in workers],
             "page_size": router.settings.router_page_size,
             "decision_log": {"enabled": decision_log is not None,
                              "connected": bool(decision_log is not None and decision_log.connected)},

@@ -134,6 +134,18 @@ class WorkerDirectory:
         return self._last_known.get(model) or self._models.get(model)
 
 
+async def read_partial_workers(client) -> dict[str, list[str]]:
+    """model token -> its partial workers (state begun after the engine's first batch)."""
+    tokens = sorted(as_text(m) for m in await client.smembers(MODELS_KEY))
+    if not tokens:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for token in tokens:
+        pipe.smembers(ModelKeys(token).partial_workers)
+    return {token: sorted(as_text(w) for w in members)
+            for token, members in zip(tokens, await pipe.execute()) if members}
+
+
 async def read_hash_mismatches(client) -> list[tuple[str, HashCheck]]:
     """(model token, check) for every worker whose published page hashes failed the
     processor's check (schemas/health.py), across all models."""

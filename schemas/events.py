@@ -17,6 +17,7 @@ import msgspec
 
 from .hashes import WireBlockHash
 from .limits import MAX_SAFE_INT, MAX_TIMESTAMP_S, Name, guarded
+from .subjects import subject_token
 from .tiers import Tier
 from .worker import WorkerMetadata
 
@@ -102,11 +103,17 @@ class EventBatch(msgspec.Struct, tag_field="kind", tag="batch", kw_only=True):
     source_ts_last: float = 0.0
     #: Set on the first batch of an epoch.
     epoch_reason: Union[EpochReason, None] = None
+    #: On the first batch of an epoch: the epoch begins at the engine's first batch (engine
+    #: seq 0, or an engine that had published nothing), so the stream holds its whole history.
+    #: False otherwise: the state will lack what the engine held before (it is `partial`).
+    epoch_from_start: bool = False
     events: list[TierEvent] = []
 
     @property
     def msg_id(self) -> str:
-        return f"{self.worker_id}:{self.epoch}:{self.seq}"
+        """JetStream's dedupe id: unique per model, worker, epoch and seq (two models may
+        have a worker of the same name start an epoch in the same millisecond)."""
+        return f"{subject_token(self.model)}:{self.worker_id}:{self.epoch}:{self.seq}"
 
 
 class BridgeCursor(msgspec.Struct, kw_only=True):
@@ -126,7 +133,29 @@ class WorkerAnnounce(msgspec.Struct, tag_field="kind", tag="announce", kw_only=T
     cursor: BridgeCursor
 
 
-StreamMessage = Union[EventBatch, WorkerAnnounce]
+class WorkerExpired(msgspec.Struct, tag_field="kind", tag="expired", kw_only=True):
+    """A processor's decision, recorded in the worker's subject: its lease, running out at
+    `lease_expiry_ms`, was not renewed before its partition had been applied past that moment.
+    Applied in stream order like everything else, and only if the lease is still that one (an
+    announce applied before it renewed it: nothing happens), so a replay of the stream expires
+    exactly the workers the live processors expired."""
+
+    v: int = SCHEMA_VERSION
+    model: Name
+    worker_id: Name
+    lease_expiry_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
+    ts: Timestamp
+    #: Where the worker's state stood when the decision was taken.
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)] = 0
+    seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)] = 0
+
+    @property
+    def msg_id(self) -> str:
+        """The same decision taken by two processors is stored once."""
+        return f"expired:{subject_token(self.model)}:{self.worker_id}:{self.lease_expiry_ms}"
+
+
+StreamMessage = Union[EventBatch, WorkerAnnounce, WorkerExpired]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StreamMessage)

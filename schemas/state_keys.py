@@ -17,6 +17,8 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
   kvt:{m}:leases            zset  worker -> lease expiry (unix ms)
   kvt:{m}:workers           set   every worker with state
   kvt:{m}:stale             set   workers whose state is marked stale (routers skip them)
+  kvt:{m}:partial           set   workers whose epoch began after the engine's first batch: routed
+                                  to, but missing what the engine held before (apply.lua)
   kvt:{m}:page_size         hash  worker -> page size (routers hash requests at it)
   kvt:{m}:hash_check        hash  worker -> HashCheck JSON (schemas/health.py): do the worker's
                                   published page hashes match SGLang's chain over its tokens
@@ -111,6 +113,10 @@ class ModelKeys:
     @property
     def stale_workers(self) -> str:
         return f"{self.base}:stale"
+
+    @property
+    def partial_workers(self) -> str:
+        return f"{self.base}:partial"
 
     @property
     def page_sizes(self) -> str:

@@ -33,6 +33,15 @@ def stored_events_subject_pattern(model: str, worker_id: str) -> str:
     return f"{events_subject(model, worker_id)}.*"
 
 
+def partition_of(model: str, worker_id: str, partitions: int) -> int:
+    """The partition the stream's subject transform puts a worker in: nats-server's
+    partition(n, 1, 2), FNV-1a 32 over the model and worker tokens concatenated, mod n."""
+    h = 0x811C9DC5
+    for byte in (subject_token(model) + subject_token(worker_id)).encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h % partitions
+
+
 def partition_filter(partition: int) -> str:
     return f"{EVENTS_PREFIX}.*.*.{partition}"
 

@@ -16,6 +16,15 @@ except once). Faults, one at a time, each followed by a wait for recovery:
   redis_loss         SIGKILL the Redis server, restart it empty WITHOUT persistence (once):
                      the loss must be detected and the state rebuilt from the stream
   publisher_restart  a new engine process on the same endpoints: empty cache, seq from 0
+  processor_outage   SIGKILL a processor, restart it after twice the workers' lease
+  processors_outage  every processor down for twice the lease (nothing consumes meanwhile)
+  nats_outage        nats-server down for twice the lease (no bridge can renew a lease)
+  lost_delivery      a processor's pulls expire while it is paused, one of its deliveries
+                     is taken by a pull that never acks (as when a connection breaks): it
+                     must come back before the gap timeout, not after the ack wait
+
+Every worker stays alive throughout, so `expired_live_workers` (leases the processors
+expired) and `rebases` (workers cleared and marked stale after a gap) must be 0.
 
 Recovery time = from the repair (restart / SIGCONT) until every worker's applied state has
 caught up with what its engine emitted since (the applied batch's engine timestamp is past
@@ -48,10 +57,11 @@ from kvtier.embedded import NatsServer, RedisServer
 from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys
-from kvtier.schemas.subjects import subject_token
+from kvtier.schemas.subjects import EVENTS_STREAM, partition_of, subject_token
 
 MODEL = "bench-faults"
 KINDS = ("processor_kill", "processor_pause", "bridge_kill", "nats_kill", "redis_kill", "redis_loss",
+         "processor_outage", "processors_outage", "nats_outage", "lost_delivery",
          "publisher_restart")
 PARTITIONS = 8
 PAGE_SIZE = 16
@@ -154,14 +164,6 @@ class Pump(threading.Thread):
 
 
 # --- the pipeline's processes --------------------------------------------------------------
-def _fnv_partition(model: str, worker: str, partitions: int = PARTITIONS) -> int:
-    """nats-server's partition(n, model, worker): FNV-1a 32 over the tokens, concatenated."""
-    h = 0x811C9DC5
-    for byte in (subject_token(model) + subject_token(worker)).encode():
-        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
-    return h % partitions
-
-
 def pick_workers(n: int, processors: int) -> tuple[list[str], list[list[int]]]:
     """Worker ids spread over partitions, and each processor's partitions: every processor
     owns about as many workers (so pausing one leaves part of the cluster behind)."""
@@ -171,7 +173,7 @@ def pick_workers(n: int, processors: int) -> tuple[list[str], list[list[int]]]:
     while len(workers) < n:
         name = f"fw{i}"
         i += 1
-        p = _fnv_partition(MODEL, name)
+        p = partition_of(MODEL, name, PARTITIONS)
         if per_partition.get(p, 0) < max(1, -(-n // PARTITIONS)) or i > 400:
             workers.append(name)
             per_partition[p] = per_partition.get(p, 0) + 1
@@ -186,9 +188,10 @@ def pick_workers(n: int, processors: int) -> tuple[list[str], list[list[int]]]:
 
 class Cluster:
     def __init__(self, workdir: str, workers: int, processors: int, rate: float, duration: float, seed: int,
-                 say=print):
+                 say=print, lease_s: float = 5.0):
         self.workdir = workdir
         self.say = say
+        self.lease_s = lease_s
         self.logs = os.path.join(workdir, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.worker_ids, self.partitions = pick_workers(workers, processors)
@@ -219,7 +222,7 @@ class Cluster:
         self.bridges[engine.worker] = self._spawn(f"bridge-{engine.worker}", [
             "bridge", "--endpoint", engine.endpoint, "--replay-endpoint", engine.replay_endpoint,
             "--worker-id", engine.worker, "--model", MODEL, "--page-size", str(PAGE_SIZE), "--nats", self.nats.url,
-            "--heartbeat", "1", "--lease-ttl", "20", "--log-level", "INFO"])
+            "--heartbeat", str(self.lease_s / 4), "--lease-ttl", str(self.lease_s), "--log-level", "INFO"])
 
     def start(self) -> None:
         self.nats.start()
@@ -363,7 +366,7 @@ class Injector:
             engine = rng.choice(c.engines)
             fault.target = f"bridge-{engine.worker}"
             c.bridges[engine.worker].kill()
-            time.sleep(rng.uniform(0.2, 2.0))
+            time.sleep(rng.uniform(0.2, min(2.0, 0.25 * c.lease_s)))  # back well within its lease: not a death
             c.start_bridge(engine)
         elif kind == "nats_kill":
             fault.target = "nats-server"
@@ -382,6 +385,33 @@ class Injector:
             engine = rng.choice(c.engines)
             fault.target = f"engine-{engine.worker}"
             engine.restart()
+        elif kind == "processor_outage":
+            i = rng.randrange(len(c.processors))
+            fault.target = f"processor{i}"
+            c.processors[i].kill()
+            time.sleep(2 * c.lease_s)
+            c.start_processor(i)
+        elif kind == "processors_outage":
+            fault.target = "every processor"
+            for p in c.processors:
+                p.kill()
+            time.sleep(2 * c.lease_s)
+            for i in range(len(c.processors)):
+                c.start_processor(i)
+        elif kind == "nats_outage":
+            fault.target = "nats-server"
+            c.nats.kill()
+            time.sleep(2 * c.lease_s)
+            c.nats.start()
+        elif kind == "lost_delivery":
+            i = rng.randrange(len(c.processors))
+            engine = rng.choice([e for e in c.engines if partition_of(MODEL, e.worker, PARTITIONS) in c.partitions[i]])
+            partition = partition_of(MODEL, engine.worker, PARTITIONS)
+            fault.target = f"processor{i} p{partition}"
+            c.pause(i)
+            time.sleep(PULL_EXPIRES_S + 0.5)  # its pull requests expire: the next delivery is ours
+            fault.detail["stolen"] = asyncio.run(steal_deliveries(c.nats.url, f"kvtier-processor-p{partition}"))
+            c.resume(i)
         else:
             raise ValueError(kind)
         return time.time()
@@ -399,6 +429,45 @@ class Injector:
                     break
                 time.sleep(0.1)
             c.redis.appendonly = True
+
+
+#: How long a processor's pull request lives at the server (consumers/pull.py).
+PULL_EXPIRES_S = 5.0
+
+
+async def steal_deliveries(nats_url: str, durable: str, n: int = 1) -> int:
+    """Take up to `n` deliveries from a consumer and never ack them: what a pull whose
+    connection broke leaves behind. Returns how many were taken."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS_STREAM}.{durable}",
+                         json.dumps({"batch": n, "expires": 2_000_000_000}).encode(), reply=inbox)
+        taken = 0
+        while taken < n:
+            try:
+                msg = await sub.next_msg(timeout=3)
+            except Exception:  # noqa: BLE001 - nothing more to take
+                break
+            if (msg.headers or {}).get("Status"):
+                break
+            taken += 1
+        return taken
+    finally:
+        await nc.close()
+
+
+def count_in_logs(folder: str, prefix: str, text: str) -> int:
+    """Lines containing `text` in the logs of processes whose log name starts with `prefix`."""
+    total = 0
+    for name in os.listdir(folder):
+        if name.startswith(prefix):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                total += sum(text in line for line in f)
+    return total
 
 
 def _wait(predicate, timeout: float, interval: float = 0.05) -> float | None:
@@ -465,10 +534,11 @@ def compare(cluster: Cluster) -> dict:
 
 # --- the run -------------------------------------------------------------------------------
 def run_faults(faults: int = 24, seed: int = 1, duration: float = 150.0, workers: int = 4, processors: int = 2,
-               rate: float = 40.0, log_dir: str | None = None, say=print) -> dict:
-    """The whole bench; returns the result (the JSON object)."""
+               rate: float = 40.0, log_dir: str | None = None, say=print, lease_s: float = 5.0) -> dict:
+    """The whole bench; returns the result (the JSON object). `lease_s`: the workers' lease
+    (their bridges announce every quarter of it); the long faults last twice as long."""
     workdir = tempfile.mkdtemp(prefix="kvtier-faults-")
-    cluster = Cluster(workdir, workers, processors, rate, duration, seed, say)
+    cluster = Cluster(workdir, workers, processors, rate, duration, seed, say, lease_s)
     plan = schedule(faults, duration, seed)
     injector = Injector(cluster, seed, say)
     pump = Pump(cluster.engines, rate)
@@ -522,6 +592,8 @@ def run_faults(faults: int = 24, seed: int = 1, duration: float = 150.0, workers
             + (f"equal to every engine's view {settle:.2f}s later" if settle is not None else "NOT settled in 90s"))
         comparison = compare(cluster)
         cluster.check_alive()
+        expired_live = count_in_logs(cluster.logs, "processor", "lease expired")
+        rebases = count_in_logs(cluster.logs, "processor", "never arrived; state cleared")
     finally:
         pump.stop()
         try:
@@ -550,6 +622,7 @@ def run_faults(faults: int = 24, seed: int = 1, duration: float = 150.0, workers
         "stream_messages": comparison["replay_messages"],
         "pages_compared": comparison["pages_vs_replay"] + comparison["pages_vs_engines"],
         "divergences": divergences, "settle_s": round(settle, 3) if settle is not None else None,
+        "lease_s": lease_s, "expired_live_workers": expired_live, "rebases": rebases,
         "recovery": _summary(recoveries), "recovery_by_kind": {k: v["recovery"] for k, v in by_kind.items()},
         "comparison": comparison, "schedule": [asdict(f) for f in plan],
     }
@@ -579,7 +652,8 @@ def print_report(result: dict, say=print) -> None:
             + (" STALE" if w["stale"] else "") + (f", {w['vs_engine']} differ from its engine" if w["vs_engine"] else ""))
     for d in c["diffs"]:
         say(f"  diverging {d['model']}/{d['worker']}: live {d['live']} replay {d['replay']}, {d['pages']} pages")
-    say(f"divergences: {result['divergences']}")
+    say(f"divergences: {result['divergences']}; live workers expired: {result['expired_live_workers']}; "
+        f"rebases: {result['rebases']}")
 
 
 def run_fault_bench(args) -> int:
@@ -587,8 +661,10 @@ def run_fault_bench(args) -> int:
     if args.faults < 1:
         raise SystemExit("--faults must be at least 1")
     result = run_faults(faults=args.faults, seed=args.seed, duration=args.duration, workers=args.workers,
-                        processors=args.processors, rate=args.rate, log_dir=args.log_dir, say=say)
+                        processors=args.processors, rate=args.rate, log_dir=args.log_dir, say=say, lease_s=args.lease)
     print_report(result, say)
     if args.json:
         print(json.dumps(result))
-    return 0 if result["divergences"] == 0 and result["not_recovered"] == 0 else 1
+    clean = (result["divergences"] == 0 and result["not_recovered"] == 0 and result["expired_live_workers"] == 0
+             and result["rebases"] == 0)
+    return 0 if clean else 1
