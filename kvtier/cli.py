@@ -13,6 +13,10 @@ import signal
 import sys
 
 from kvtier.producers.cost_model import add_cost_model_arguments, cost_model_from_args
+from kvtier.router.weight_flags import (
+    add_scoring_weight_arguments,
+    scoring_weights_from,
+)
 from kvtier.streams import DEFAULT_PARTITIONS, StreamSettings
 
 
@@ -545,24 +549,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hicache: credit pages workers can fetch from the shared Mooncake pool.")
     r.add_argument("--mooncake-master", default="",
                    help="The Mooncake master's HTTP address (its metrics port, serving /batch_query_keys).")
-    r.add_argument("--shared-cache-multiplier", type=_non_negative_float, default=0.5,
-                   help="Credit per shared-pool page beyond the device prefix (0: query but ignore).")
     r.add_argument("--shared-cache-timeout-ms", type=_positive_float, default=50.0,
                    help="Budget for the shared-pool query; past it the decision scores without it.")
-    r.add_argument("--overlap-score-credit", type=_non_negative_float, default=1.0, help="Credit per device page.")
-    r.add_argument("--host-cache-hit-weight", type=_non_negative_float, default=0.75, help="Credit per host page.")
-    r.add_argument("--disk-cache-hit-weight", type=_non_negative_float, default=0.25, help="Credit per disk page.")
-    r.add_argument("--prefill-load-scale", type=_non_negative_float, default=1.0,
-                   help="Weight of the (adjusted) prefill pages against decode pages.")
-    r.add_argument("--temperature", type=_non_negative_float, default=0.0,
-                   help="0: best score, ties at random; >0: softmax sampling over normalised scores.")
+    add_scoring_weight_arguments(r)
     r.add_argument("--predicted-pages", choices=["on", "off"], default="off",
                    help="Book each request's pages as predicted device pages on its worker until it completes, "
                         "visible to every replica (pages its events may not show yet). Pays off when requests "
                         "sharing a new context arrive together (fan-out); costs Redis memory per in-flight page "
                         "(BENCHMARKS.md).")
-    r.add_argument("--predicted-page-weight", type=_non_negative_float, default=1.0,
-                   help="Credit per predicted page (like --overlap-score-credit for device pages).")
     r.add_argument("--page-size", type=_positive_int, default=None,
                    help="Expected worker page size; workers announcing another get no shared-pool credit "
                         "(default: trust each worker's announced size).")
@@ -744,6 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Trace milliseconds between an engine event and routers seeing it (0: the ideal).")
     rp.add_argument("--predicted-pages", choices=["on", "off"], default="off",
                     help="kvtier policies book predicted pages (the routers' --predicted-pages).")
+    add_scoring_weight_arguments(rp)
     rp.add_argument("--seed", type=int, default=1)
     rp.add_argument("--seeds", default="", help="Comma-separated seeds: every figure is the median over them.")
     rp.add_argument("--plot", default="", metavar="PNG", help="Draw the policies beside the oracle and bounds.")
@@ -942,7 +937,6 @@ def _auth_token(args) -> str:
 
 async def _run_router(args, stop) -> None:
     from kvtier.router.service import RouterConfig, ServiceSettings, run_router
-    from kvtier.schemas.routing import ScoringWeights
 
     if args.shared_cache_type == "hicache" and not args.mooncake_master:
         raise SystemExit("kvtier router: --shared-cache-type hicache needs --mooncake-master http://HOST:PORT "
@@ -953,11 +947,7 @@ async def _run_router(args, stop) -> None:
         shared_cache_timeout_s=args.shared_cache_timeout_ms / 1000, page_size=args.page_size,
         booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=args.router_id,
         seed=args.seed,
-        weights=ScoringWeights(
-            overlap_score_credit=args.overlap_score_credit, host_cache_hit_weight=args.host_cache_hit_weight,
-            disk_cache_hit_weight=args.disk_cache_hit_weight, shared_cache_multiplier=args.shared_cache_multiplier,
-            prefill_load_scale=args.prefill_load_scale, temperature=args.temperature,
-            predicted_page_weight=args.predicted_page_weight),
+        weights=scoring_weights_from(args),
         predicted_pages=args.predicted_pages == "on",
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),

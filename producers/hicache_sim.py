@@ -201,7 +201,10 @@ class HiCacheSim:
         self._host_used = 0  # ready copies plus in-flight ones (their slot is taken at copy start)
         self._dma: list[tuple[float, int, _Node]] = []
         self._tick = 0
-        self._now = 0.0
+        # When copies started now begin: the time of the request being served (or of the copy
+        # landing it waited for), never a later clock a caller may have advanced to meanwhile:
+        # a request that reaches the engine late must not wait for copies timed after it.
+        self._copies_from = 0.0
         # Nodes that may be eviction candidates, so eviction never scans the whole tree. A
         # superset, cleaned lazily: a node is added whenever it may have become a device leaf
         # (placed on device, or its last device child left) or a host-only leaf (it left
@@ -216,6 +219,7 @@ class HiCacheSim:
         is queued on the engine). `output_tokens` decode steps follow its first token.
         `digests`: the request's page digests when the caller has them already."""
         self.advance(now)
+        self._copies_from = now
         cfg, ps = self.config, self.config.page_size
         if digests is None:
             digests = sglang_page_digests(token_ids, ps)
@@ -317,7 +321,6 @@ class HiCacheSim:
         return self._dma[0][0] if self._dma else None
 
     def advance(self, now: float) -> None:
-        self._now = max(self._now, now)
         landed: list[PageDigest] = []
         while self._dma and self._dma[0][0] <= now:
             _, seq, nd = heapq.heappop(self._dma)
@@ -441,6 +444,7 @@ class HiCacheSim:
         while self.config.device_pages - self._device_used < want and self._dma:
             ready = max(ready, self._dma[0][0])
             self.advance(ready)
+            self._copies_from = ready
             self._make_device_room(want, protected)
         return ready
 
@@ -499,7 +503,7 @@ class HiCacheSim:
         nd.host = _PENDING
         nd.dma_seq = self._tick
         self._host_used += 1
-        heapq.heappush(self._dma, (self._now + self.config.dma_delay_s, self._tick, nd))
+        heapq.heappush(self._dma, (self._copies_from + self.config.dma_delay_s, self._tick, nd))
 
     # --- events ---------------------------------------------------------------------------
     def _emit_stored(self, nd: _Node, medium: str) -> None:

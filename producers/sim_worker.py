@@ -8,8 +8,11 @@ consumes them unchanged. Requests come over HTTP:
   POST /w/<rank>/generate  {"input_ids": [...], "now": <sim seconds>?,
                             "sampling_params": {"max_new_tokens": N}?}
         -> {"rank", "meta_info": {"prompt_tokens", "cached_tokens", "cached_tokens_details":
-            {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s", "e2e_latency"}}
+            {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s", "e2e_latency",
+            "arrived_behind_s"}}
         Times are simulated seconds from producers/cost_model.py (docs/COST_MODEL.md).
+        "arrived_behind_s" > 0: the rank already served a request with a later "now" (the
+        caller's requests reached it out of order), so this one queued behind later work.
         Other fields of SGLang's native body (sampling_params, ...) are ignored. Without
         "now" the simulated clock moves on by the wall time since the previous request, so a
         client that sends SGLang's plain body (e.g. `kvtier probe hicache`) sees device->host
@@ -177,6 +180,7 @@ class SimWorkers:
         self._lock = asyncio.Lock()
         self._now = 0.0
         self._wall = time.monotonic()  # when self._now was last moved: untimed requests advance from it
+        self._latest_served = [float("-inf")] * config.ranks  # per rank: the latest request time served
 
     def _tick(self, now: float | None) -> float:
         """The simulated time of a request: its own `now`, or, without one, the clock moved on
@@ -203,6 +207,8 @@ class SimWorkers:
             return web.json_response({"error": f"invalid body: {exc}"}, status=400)
         async with self._lock:
             now = self._tick(body.now)
+            behind = max(0.0, self._latest_served[rank] - now)
+            self._latest_served[rank] = max(self._latest_served[rank], now)
             result = self.sims[rank].serve(body.input_ids, now, body.sampling_params.max_new_tokens)
             self._flush(rank)
         page = self.config.sim.page_size
@@ -212,7 +218,7 @@ class SimWorkers:
             "cached_tokens_details": {"device": result.device_hit_pages * page, "host": result.host_hit_pages * page,
                                       "l3": result.l3_hit_pages * page},
             "recomputed_tokens": result.recomputed_tokens, "queue_s": result.queue_s, "ttft_s": result.ttft_s,
-            "e2e_latency": result.complete_at - now}})
+            "e2e_latency": result.complete_at - now, "arrived_behind_s": behind}})
 
     async def advance(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read(), type=AdvanceBody)

@@ -291,6 +291,18 @@ def test_waiting_for_a_copy_delays_the_request():
     assert h2.serve(B, 0.003)[0].queue_s == 0.0
 
 
+def test_a_request_that_reaches_the_engine_late_waits_only_for_copies_timed_from_it():
+    # A realtime replay's ticker moves the engine's clock to where the wall says the trace is;
+    # a request its driver sends late carries an earlier time. Its copies start at its own
+    # time, so the next request waits for them by the trace, not by how late the driver ran.
+    h = make(WT, device_pages=2, host_pages=8, prefill_s_per_token=0.0)
+    h.serve(A, 0.0)
+    h.sim.advance(100.0)
+    h.serve(B, 1.0)  # B's copy lands at 1.002
+    result, _ = h.serve(C, 1.0005)
+    assert result.queue_s == pytest.approx(0.0015) and result.recomputed_pages == 2
+
+
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
 def test_no_host_tier_drops_on_eviction(policy):
     h = make(policy, device_pages=2, host_pages=0)

@@ -13,16 +13,29 @@ import sys
 import tempfile
 
 import pytest
-
-from kvtier.bench.bounds import infinite_cache, pooled_lru
-from kvtier.bench.lockstep import percentile, reason_for, run_lockstep
-from kvtier.bench.policies import CandidateView, Decision, OraclePolicy, RoundRobinPolicy, RouterModel
-from kvtier.bench.replay import ReplaySettings, add_gap_closed, build_report, verdict
-from kvtier.bench.trace import PreparedRequest, TraceRequest, load_trace, prepare, SAMPLE_TRACE
 from kvtier.producers.cost_model import CostModel
 from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
 from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
+
+from kvtier.bench.bounds import infinite_cache, pooled_lru
+from kvtier.bench.lockstep import percentile, reason_for, run_lockstep
+from kvtier.bench.policies import (
+    CandidateView,
+    Decision,
+    OraclePolicy,
+    RoundRobinPolicy,
+    RouterModel,
+)
+from kvtier.bench.replay import ReplaySettings, add_gap_closed, build_report, verdict
+from kvtier.bench.synth_trace import SynthParams, generate
+from kvtier.bench.trace import (
+    SAMPLE_TRACE,
+    PreparedRequest,
+    TraceRequest,
+    load_trace,
+    prepare,
+)
 
 
 def prepared(pages: list[list[bytes]], tokens_per_page: int = 4) -> list[PreparedRequest]:
@@ -154,6 +167,24 @@ def test_in_process_replays_are_deterministic_and_check_their_cost_accounting():
         assert check["ttft_at_least_service"] and check["busy_equals_service"] and check["saturated_workers"] == 0
     oracle = run(OraclePolicy(ScoringWeights(), True, 1), requests)
     assert all(o.reason == "same" for o in oracle.outcomes)
+
+
+def test_a_router_that_sees_events_late_loses_reuse_for_that_reason():
+    requests = prepare(generate(SynthParams(requests=200, duration_s=600.0)), 64)
+    shape = ClusterShape(workers=4, page_size=64, device_pages=256, host_pages=1024, l3=False)
+
+    def with_lag(seconds: float):
+        return run(RouterModel("tier_aware", 4, 64, ScoringWeights(), False, seconds, 1), requests, shape)
+
+    prompt = with_lag(0.0)
+    late = with_lag(3600.0)  # nothing the engines did is visible within the hour
+    # even at lag 0 a router cannot see a prefill still running (its pages are published when it
+    # has run), so some decisions differ for that reason; an hour's lag makes many more
+    def unseen(replay) -> int:
+        return sum(o.reason == "not_yet_visible" for o in replay.outcomes)
+
+    assert unseen(late) > 2 * unseen(prompt) + 10
+    assert late.summary()["recomputed_tokens"] > prompt.summary()["recomputed_tokens"]
 
 
 def test_a_replay_report_puts_the_oracle_and_bounds_beside_every_policy():

@@ -155,14 +155,15 @@ def test_a_dead_workers_predictions_go_with_its_pages(redis_client, redis_server
     from kvtier.consumers.apply import TierStateWriter
 
     seeder = StateSeeder(redis_client, MODEL + "-dead")
-    seeder.announce("w0", PAGE, lease_ttl_s=1.0)
+    # a lease long enough to outlive a slow router start; expiry is then forced by the clock
+    seeder.announce("w0", PAGE, lease_ttl_s=120.0)
     tokens = request_tokens(5, PAGE, seed=13)
     router = RouterProcess(redis_server.url, "--predicted-pages", "on")
     try:
         assert router.route(MODEL + "-dead", tokens, request_id="doomed")[0] == 200
         keys = ModelKeys.for_model(MODEL + "-dead")
         assert redis_client.hlen(keys.predicted("w0")) == 5
-        removed = TierStateWriter(redis_client).expire_dead_workers(now=time.time() + 2.0)
+        removed = TierStateWriter(redis_client).expire_dead_workers(now=time.time() + 240.0)
         assert [(w, n) for _, w, n in removed] == [("w0", 0)]
         assert not redis_client.exists(keys.predicted("w0"))
         assert router.release(MODEL + "-dead", "doomed")[0] == 200

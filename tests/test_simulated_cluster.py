@@ -57,6 +57,10 @@ def test_redis_reproduces_the_simulators_own_view(policy, nats_server, redis_ser
                 now += 0.01
                 status, body, _ = http("POST", f"{url}/w/{rank}/generate", {"input_ids": tokens, "now": now})
                 assert status == 200, body
+                assert body["meta_info"]["arrived_behind_s"] == 0.0
+        # a request that reaches rank 0 after a later one says by how much it is out of order
+        status, body, _ = http("POST", f"{url}/w/0/generate", {"input_ids": [1, 2, 3], "now": now - 0.25})
+        assert status == 200 and abs(body["meta_info"]["arrived_behind_s"] - 0.24) < 1e-9, body
         http("POST", url + "/advance", {"now": now + 1.0})  # every pending copy lands
         for rank in range(ranks):
             expected = tiers_of(url, rank)
@@ -126,6 +130,26 @@ def test_policies_order_as_the_formula_predicts(tmp_path):
     # through the real pipeline, lockstep: nothing degraded, and beside the oracle
     assert p["tier_aware"]["via"] == "pipeline" and p["tier_aware"]["degraded_decisions"] == 0
     assert report["mode"] == "lockstep" and "oracle" in p
+
+
+def test_the_realtime_replay_reports_how_far_the_machine_fell_behind(tmp_path):
+    """--realtime: the live pipeline on the wall clock. Its figures depend on the machine, so it
+    says how late requests reached their engine and how many arrived out of trace order."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "bench", "replay", "--realtime", "--trace", "synthetic:2",
+         "--requests", "40", "--workers", "2", "--device-pages", "256", "--host-pages", "512",
+         "--policies", "round_robin,tier_aware,oracle", "--time-scale", "100", "--json"],
+        capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["mode"] == "realtime" and set(report["policies"]) == {"round_robin", "tier_aware"}
+    for name, summary in report["policies"].items():
+        assert summary["requests"] == 40 and summary["ttft_p50_ms"] > 0
+        assert 0 <= summary["out_of_order_requests"] <= 40
+        assert 0 <= summary["reached_worker_late_p50_s"] <= summary["reached_worker_late_p99_s"]
+    assert report["policies"]["tier_aware"]["via"] == "realtime"
+    assert report["policies"]["tier_aware"]["route_p50_ms"] > 0
+    assert "reached the worker" in out.stdout
 
 
 def test_demo_completes_and_writes_its_report(tmp_path):

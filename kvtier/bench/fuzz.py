@@ -959,6 +959,14 @@ def _nats_publish_raw(port: int, subject: bytes, data: bytes) -> None:
             raise RuntimeError(f"nats-server refused the raw publish: {reply!r}")
 
 
+def _source_seq(headers: dict) -> int:
+    """The events-stream sequence a dead letter was made from (0 when it does not say)."""
+    try:
+        return int(str(headers.get("Kvtier-Stream-Seq", 0)))
+    except ValueError:
+        return 0
+
+
 async def dead_letters(js, after: int = 0) -> list[tuple[int, str, dict, bytes]]:
     """(stream seq, subject, headers, data) of the dead letters after stream seq `after`."""
     import nats.js.errors
@@ -1229,6 +1237,7 @@ class ProcessorStack:
         self.processes = Processes()
         self.epoch, self.seq = int(time.time() * 1000), 0
         self._dlq_seen = 0
+        self._events_from = 0
         asyncio.run(self._ensure_streams())
         self.processor = self.processes.start("processor", "processor", "--nats", nats_url, "--redis", redis_url,
                                               "--reap-interval", "0.2")
@@ -1237,6 +1246,7 @@ class ProcessorStack:
     async def _ensure_streams(self) -> None:
         import nats
 
+        from kvtier.schemas.subjects import EVENTS_STREAM
         from kvtier.streams import StreamSettings, ensure_streams
 
         nc = await nats.connect(self.nats_url)
@@ -1244,6 +1254,9 @@ class ProcessorStack:
             await ensure_streams(nc.jetstream(), StreamSettings())
             letters = await dead_letters(nc.jetstream(), 0)
             self._dlq_seen = letters[-1][0] if letters else 0
+            # letters for messages published before this point belong to an earlier example,
+            # however late the processor writes them (a slow machine, a timed-out example)
+            self._events_from = (await nc.jetstream().stream_info(EVENTS_STREAM)).state.last_seq
         finally:
             await nc.close()
 
@@ -1317,7 +1330,8 @@ class ProcessorStack:
 
         nc = await nats.connect(self.nats_url)
         try:
-            return await dead_letters(nc.jetstream(), self._dlq_seen)
+            letters = await dead_letters(nc.jetstream(), self._dlq_seen)
+            return [letter for letter in letters if _source_seq(letter[2]) > self._events_from]
         finally:
             await nc.close()
 

@@ -45,6 +45,10 @@ class PolicyResult:
     #: engine queues them behind it, so their TTFT grows by the gap (a wall-clock artefact).
     out_of_order: int = 0
     ttft_in_order_s: list = field(default_factory=list)
+    #: Trace seconds between a request's arrival and when it reached its worker: how far the
+    #: machine fell behind the trace (routing time included); large values mean the figures
+    #: above describe this machine, not the policy.
+    late_s: list = field(default_factory=list)
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft_s) or [0.0]
@@ -62,6 +66,10 @@ class PolicyResult:
             "route_p50_ms": round(statistics.median(self.route_s) * 1000, 3) if self.route_s else None,
             "degraded_decisions": self.degraded,
             "out_of_order_requests": self.out_of_order,
+            "reached_worker_late_p50_s": round(statistics.median(self.late_s), 3) if self.late_s else None,
+            "reached_worker_late_p99_s": round(sorted(self.late_s)[min(len(self.late_s) - 1,
+                                                                     int(0.99 * len(self.late_s)))], 3)
+            if self.late_s else None,
             "ttft_p99_in_order_ms": round(sorted(self.ttft_in_order_s)[
                 min(len(self.ttft_in_order_s) - 1, int(0.99 * len(self.ttft_in_order_s)))] * 1000, 1)
             if self.ttft_in_order_s else None,
@@ -143,7 +151,6 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
     loop = asyncio.get_running_loop()
     wall0 = loop.time()
     done = 0
-    latest_sent: dict[int, float] = {}  # per rank: the latest trace arrival sent to it so far
     pending: set[asyncio.Task] = set()
     stop_ticker = asyncio.Event()
 
@@ -193,8 +200,7 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
                 result.degraded += 1
             rank = int(decision["worker_id"].rsplit("-dp", 1)[1])
         result.route_s.append(time.perf_counter() - started)
-        late = arrival < latest_sent.get(rank, float("-inf"))
-        latest_sent[rank] = max(latest_sent.get(rank, float("-inf")), arrival)
+        result.late_s.append(max(0.0, sim_now() - arrival))
         async with session.post(f"{sim_url}/w/{rank}/generate",
                                 json={"input_ids": tokens, "now": arrival,
                                       "sampling_params": {"max_new_tokens": request.output_length}}) as r:
@@ -208,7 +214,7 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
         for tier in ("device", "host", "l3"):
             result.hit_tokens[tier] += meta["cached_tokens_details"][tier]
         result.ttft_s.append(meta["ttft_s"])
-        if late:
+        if meta["arrived_behind_s"] > 0:  # the engine had served a later arrival already
             result.out_of_order += 1
         else:
             result.ttft_in_order_s.append(meta["ttft_s"])

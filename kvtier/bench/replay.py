@@ -38,9 +38,17 @@ import msgspec
 
 from kvtier.bench.bounds import bounds
 from kvtier.bench.lockstep import REASONS, RunResult, run_lockstep
-from kvtier.bench.policies import DEVICE_ONLY, LOAD_ONLY, OraclePolicy, RandomPolicy, RoundRobinPolicy, RouterModel
+from kvtier.bench.policies import (
+    DEVICE_ONLY,
+    LOAD_ONLY,
+    OraclePolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    RouterModel,
+)
 from kvtier.bench.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
 from kvtier.producers.sim_cluster import ClusterShape
+from kvtier.router.weight_flags import scoring_weights_from
 from kvtier.schemas.routing import ScoringWeights
 
 POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle")
@@ -364,7 +372,8 @@ def run_replay_bench(args) -> int:
     if args.realtime:
         return _run_realtime(args, raw, shape, policies, span, trace)
     settings = ReplaySettings(shape=shape, policies=policies, visibility_lag_s=args.visibility_lag_ms / 1000,
-                              via=args.via, predicted_pages=args.predicted_pages == "on")
+                              via=args.via, predicted_pages=args.predicted_pages == "on",
+                              weights=scoring_weights_from(args))
     seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
     print(f"{len(raw)} requests over {span:.0f}s of trace time, lockstep (visibility lag {args.visibility_lag_ms:g} ms "
           f"of trace time), kvtier policies via {args.via}; {shape.workers} workers, page size {shape.page_size}, "
@@ -401,7 +410,9 @@ def _run_realtime(args, raw, shape, policies, span, trace) -> int:
         print(f"{name:<18} reused {s['reused_pct']:5.1f}%  TTFT p50 {s['ttft_p50_ms']:7.0f} ms  p99 "
               f"{s['ttft_p99_ms']:8.0f} ms (in trace order only: {s['ttft_p99_in_order_ms']} ms; "
               f"{s['out_of_order_requests']} requests reached their worker out of trace order)  route p50 "
-              f"{s['route_p50_ms']} ms  degraded {s['degraded_decisions']}")
+              f"{s['route_p50_ms']} ms  degraded {s['degraded_decisions']}; reached the worker "
+              f"{s['reached_worker_late_p50_s']} s (p50) / {s['reached_worker_late_p99_s']} s (p99) of trace "
+              f"time after arriving")
     if args.json:
         print(json.dumps(report))
     return 0
