@@ -64,7 +64,7 @@ from kvtier.schemas.subjects import (
     partition_filter,
     subject_token,
 )
-from kvtier.streams import StreamSettings, connect_nats, ensure_streams
+from kvtier.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 
 log = logging.getLogger("kvtier.processor")
 
@@ -120,6 +120,13 @@ LAG = Histogram("kvtier_processor_event_lag_seconds", "Engine emit -> visible in
                 buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
+def _really_cancelled() -> bool:
+    """Whether the running task was cancelled (not a library cancelling one of its own
+    futures, which reaches the awaiting code as the same CancelledError)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
 @dataclass
 class ProcessorConfig:
     nats_url: str
@@ -169,6 +176,7 @@ class Processor:
         self._reconnects_seen = 0
         self._recorded_expiry: dict[tuple[str, str], int] = {}  # (model token, worker) -> lease ms recorded
         self._stream_back_at = 0.0  # when the NATS connection last came back
+        self._state_unsettled_at = 0.0  # when a model's state was last seen lost or rebuilding
         self._longest_lease_s = 0.0  # the longest lease any announce asked for
         self._rewind_partitions: set[int] = set()  # partitions to rewind to their ack floor (lost deliveries)
         self._rewound_for: set[tuple[str, str]] = set()  # gaps a rewind was already tried for
@@ -199,7 +207,7 @@ class Processor:
                 tasks = [asyncio.create_task(self._own_partitions_dynamically(total, stop))]
             else:
                 log.info("processor owns partitions %s of %d", self.partitions, total)
-                tasks = [asyncio.create_task(self._consume(p, stop)) for p in self.partitions]
+                tasks = [asyncio.create_task(self._keep_consuming(p, stop)) for p in self.partitions]
             tasks.append(asyncio.create_task(self._housekeeping(stop)))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -298,7 +306,7 @@ class Processor:
                         if partition not in running and await asyncio.to_thread(leases.try_claim, partition):
                             partition_stop = asyncio.Event()
                             running[partition] = (partition_stop, asyncio.create_task(
-                                self._consume(partition, partition_stop)))
+                                self._keep_consuming(partition, partition_stop)))
                             log.info("claimed partition %d (%d live processors, share %d)", partition, live, share)
                     self.partitions = sorted(running)
                 except redis.RedisError as exc:
@@ -314,9 +322,25 @@ class Processor:
             with contextlib.suppress(redis.RedisError):
                 await asyncio.to_thread(leases.leave, set(running))
 
-    async def _consume(self, partition: int, stop: asyncio.Event) -> None:
-        pull = await self._subscribe(partition, rewind=True)
+    async def _keep_consuming(self, partition: int, stop: asyncio.Event) -> None:
+        """Consume the partition until `stop`; a consumer that fails unexpectedly is logged and
+        started again (its unacked messages come back), never left dead while the process and
+        its partition lease live on."""
         while not stop.is_set():
+            try:
+                await self._consume(partition, stop)
+            except asyncio.CancelledError:
+                if _really_cancelled():
+                    raise
+                log.error("partition %d: a stray cancellation ended the consumer; restarting it", partition)
+            except Exception:  # noqa: BLE001 - see the docstring
+                log.exception("partition %d: the consumer failed; restarting it", partition)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def _consume(self, partition: int, stop: asyncio.Event) -> None:
+        pull = await self._resubscribe(partition, stop)
+        while pull is not None and not stop.is_set():
             if partition in self._rewind_partitions:
                 # A gap held back past `lost_delivery_s`: the missing batches were most likely
                 # delivered to a pull that is gone (they would come back only after ack_wait,
@@ -358,21 +382,24 @@ class Processor:
                     with contextlib.suppress(Exception):
                         await msg.nak(delay=1.0)
                 await asyncio.sleep(1.0)
-        await pull.close()
+        if pull is not None:
+            await pull.close()
 
-    async def _resubscribe(self, partition: int, stop: asyncio.Event) -> PullStream:
+    async def _resubscribe(self, partition: int, stop: asyncio.Event) -> PullStream | None:
         """A new pull on the partition, rewound to its ack floor: deliveries made to the pull
         that failed are redelivered at once, in order, instead of after ack_wait (which is
         longer than the gap timeout: they would arrive after their successors had rebased the
-        worker). Retries until subscribed: a closed pull would wait forever."""
-        while True:
+        worker). Retries until subscribed (a closed pull would wait forever) or until `stop`
+        (then None)."""
+        while not stop.is_set():
             try:
                 return await self._subscribe(partition, rewind=True)
             except Exception as exc:  # noqa: BLE001 - e.g. no consumer leader yet (NATS cluster)
                 if stop.is_set():
-                    raise
+                    return None
                 log.warning("partition %d: re-subscribing failed (%r); retrying", partition, exc)
                 await asyncio.sleep(0.5)
+        return None
 
     async def handle(self, messages) -> None:
         """Decode and apply messages in arrival order. Batches go to Redis in chunks of about
@@ -538,9 +565,14 @@ class Processor:
         tokens = msg.subject.split(".")
         model, worker = (tokens[2], tokens[3]) if len(tokens) >= 4 else ("unknown", "unknown")
         log.warning("dead-lettering message from %s: %s", msg.subject, reason)
-        headers = {"Kvtier-Reason": reason[:1024], "Kvtier-Stage": "processor", "Kvtier-Source-Subject": msg.subject}
+        headers = dead_letter_headers(Kvtier_Reason=reason[:1024], Kvtier_Stage="processor",
+                                      Kvtier_Source_Subject=msg.subject)
         if msg.metadata and msg.metadata.sequence:
             headers["Kvtier-Stream-Seq"] = str(msg.metadata.sequence.stream)
+            # A message redelivered after its letter was stored (the ack was lost, or the pull
+            # was rewound to the ack floor) is stored once: the id names the stored message.
+            stored_at = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else 0.0
+            headers["Nats-Msg-Id"] = f"kvtier-dlq:{msg.metadata.sequence.stream}:{stored_at:.6f}"
         data = msg.data
         # With these headers a message near max_payload would be over it (the server then drops
         # the connection): keep what fits, say how long it was (the stream still holds it all).
@@ -565,7 +597,8 @@ class Processor:
     async def _housekeeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                if self._stream_reachable_long_enough():
+                await self._probe_incarnations()  # first: a lost store must hold expiries back
+                if self._stream_reachable_long_enough() and self._state_settled_long_enough():
                     await self._record_expired_leases()
                 STALE_WORKERS.set(await asyncio.to_thread(self.writer.count_stale_workers))
                 PARTIAL_WORKERS.set(await asyncio.to_thread(self.writer.count_partial_workers))
@@ -575,7 +608,6 @@ class Processor:
                     self._forget(model, worker)
                     log.info("%s/%s: gone for more than %.0fs; forgotten", model, worker,
                              self.cfg.worker_retention_s)
-                await self._probe_incarnations()
                 await self._persist_hash_checks()
             except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
                 log.warning("housekeeping failed: %s", exc)
@@ -622,6 +654,12 @@ class Processor:
             self._reconnects_seen = reconnects
             self._stream_back_at = time.time()
         return time.time() >= self._stream_back_at + 2 * self._longest_lease_s
+
+    def _state_settled_long_enough(self) -> bool:
+        """Leases may be expired only once no model has been lost or rebuilding for twice the
+        longest lease: a rebuild replays old announces (leases that look run out) and may
+        redeliver newer ones out of order, so until it settles an old lease proves nothing."""
+        return time.time() >= self._state_unsettled_at + 2 * self._longest_lease_s
 
     def _forget(self, model_token: str, worker: str) -> None:
         """Drop what this process keeps per worker (its dictionaries are keyed by model name)."""
@@ -676,9 +714,11 @@ class Processor:
         for token, fields in zip(ordered, markers):
             marker_id, ready, building, scan_ms, created_ms = (as_text(f) if f is not None else None for f in fields)
             if marker_id is None:
+                self._state_unsettled_at = time.time()
                 self._start_recovery(token)
                 continue
             if ready != "1":
+                self._state_unsettled_at = time.time()
                 rebuilding += 1
                 if now_ms - float(scan_ms or 0) > self.cfg.rebuild_scan_timeout_s * 1000:
                     self._start_recovery(token)
@@ -686,6 +726,7 @@ class Processor:
             known = self._incarnations.get(token)
             if known != marker_id:
                 if known is not None:
+                    self._state_unsettled_at = time.time()
                     log.warning("model %s: its state store was re-created (incarnation %s -> %s)", token, known,
                                 marker_id)
                     self.writer.forget_models()
@@ -693,6 +734,7 @@ class Processor:
             if building == "1":
                 behind = await asyncio.to_thread(self.writer.rebuild_progress, token)
                 if behind:
+                    self._state_unsettled_at = time.time()
                     rebuilding += 1
                 else:
                     log.warning("model %s: tier state rebuilt from the stream, %.1fs after the loss was found",

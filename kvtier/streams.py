@@ -34,6 +34,14 @@ log = logging.getLogger("kvtier.nats")
 DEFAULT_PARTITIONS = 8
 
 
+def dead_letter_headers(**values: str) -> dict[str, str]:
+    """Dead-letter headers as printable ASCII: nats-py hands a reader an email `Header` object,
+    not text, for a value with other characters, and a worker name or a reason quoting bad
+    input may have any. Non-ASCII is written as Python escapes, so the reason stays readable."""
+    return {name.replace("_", "-"): value.encode("ascii", "backslashreplace").decode("ascii")
+            for name, value in values.items()}
+
+
 async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, retry_s: float = 1.0,
                        options=None):
     """Connect to NATS, waiting (with a clear warning each time) while it is unreachable:

@@ -54,7 +54,7 @@ from kvtier.schemas.subjects import (
     stored_events_subject_pattern,
 )
 from kvtier.schemas.worker import WorkerMetadata
-from kvtier.streams import StreamSettings, connect_nats, ensure_streams
+from kvtier.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 
 log = logging.getLogger("kvtier.bridge")
 
@@ -397,8 +397,8 @@ class RankBridge:
     async def _dead_letter(self, data: bytes, reason: str, engine_seq: int | None = None) -> None:
         DEAD_LETTERS.labels(self._label).inc()
         log.warning("%s: dead-lettered engine input (seq %s): %s", self._label, engine_seq, reason[:1024])
-        headers = {"Kvtier-Reason": reason[:1024], "Kvtier-Stage": "bridge", "Kvtier-Worker": self.cfg.worker_id,
-                   "Kvtier-Model": self.cfg.model}
+        headers = dead_letter_headers(Kvtier_Reason=reason[:1024], Kvtier_Stage="bridge",
+                                      Kvtier_Worker=self.cfg.worker_id, Kvtier_Model=self.cfg.model)
         if engine_seq is not None:
             headers["Kvtier-Engine-Seq"] = str(engine_seq)
         limit = _max_payload(self.nc) - _ENVELOPE_BYTES

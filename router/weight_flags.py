@@ -16,17 +16,23 @@ def _non_negative_float(text: str) -> float:
 
 
 def add_scoring_weight_arguments(p: argparse.ArgumentParser) -> None:
-    """The scoring formula's weights (docs/DESIGN.md), the same flags wherever a policy is scored."""
-    p.add_argument("--overlap-score-credit", type=_non_negative_float, default=1.0, help="Credit per device page.")
-    p.add_argument("--host-cache-hit-weight", type=_non_negative_float, default=0.75, help="Credit per host page.")
-    p.add_argument("--disk-cache-hit-weight", type=_non_negative_float, default=0.25, help="Credit per disk page.")
-    p.add_argument("--prefill-load-scale", type=_non_negative_float, default=1.0,
-                   help="Weight of the (adjusted) prefill pages against decode pages.")
-    p.add_argument("--temperature", type=_non_negative_float, default=0.0,
+    """The scoring formula's weights (docs/DESIGN.md), the same flags wherever a policy is scored;
+    the defaults are ScoringWeights'."""
+    d = ScoringWeights()
+    p.add_argument("--overlap-score-credit", type=_non_negative_float, default=d.overlap_score_credit,
+                   help="Credit per device page.")
+    p.add_argument("--host-cache-hit-weight", type=_non_negative_float, default=d.host_cache_hit_weight,
+                   help="Credit per host page.")
+    p.add_argument("--disk-cache-hit-weight", type=_non_negative_float, default=d.disk_cache_hit_weight,
+                   help="Credit per disk page.")
+    p.add_argument("--prefill-load-scale", type=_non_negative_float, default=d.prefill_load_scale,
+                   help="Weight of the (adjusted) prefill pages against decode pages (the Dynamo guide's "
+                        "default is 1; docs/DESIGN.md says why kvtier's is 16).")
+    p.add_argument("--temperature", type=_non_negative_float, default=d.temperature,
                    help="0: best score, ties at random; >0: softmax sampling over normalised scores.")
-    p.add_argument("--shared-cache-multiplier", type=_non_negative_float, default=0.5,
+    p.add_argument("--shared-cache-multiplier", type=_non_negative_float, default=d.shared_cache_multiplier,
                    help="Credit per shared-pool page beyond the device prefix (0: query but ignore).")
-    p.add_argument("--predicted-page-weight", type=_non_negative_float, default=1.0,
+    p.add_argument("--predicted-page-weight", type=_non_negative_float, default=d.predicted_page_weight,
                    help="Credit per predicted page (like --overlap-score-credit for device pages).")
 
 

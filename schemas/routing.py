@@ -19,13 +19,14 @@ DECISION_SCHEMA_VERSION = 1
 
 
 class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
-    """The scoring formula's knobs (docs/DESIGN.md). Defaults are the Dynamo HiCache guide's."""
+    """The scoring formula's knobs (docs/DESIGN.md). Defaults are the Dynamo HiCache guide's but
+    one: `prefill_load_scale` is 16, not 1 (docs/DESIGN.md says why)."""
 
     overlap_score_credit: float = 1.0
     host_cache_hit_weight: float = 0.75
     disk_cache_hit_weight: float = 0.25
     shared_cache_multiplier: float = 0.5
-    prefill_load_scale: float = 1.0
+    prefill_load_scale: float = 16.0
     temperature: float = 0.0
     #: Credit per predicted page: a page of a request booked on the worker and not yet
     #: complete, which its events may not show yet (router/README.md).

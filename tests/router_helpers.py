@@ -95,6 +95,11 @@ def answers(url: str) -> bool:
         return False
 
 
+#: Flags for tests whose expected logits are hand-computed with the HiCache guide's load
+#: scale (1), not kvtier's default (16, see docs/DESIGN.md).
+GUIDE_LOAD_SCALE = ("--prefill-load-scale", "1")
+
+
 class RouterProcess(KvtierProcess):
     """`kvtier router` on a free port, started and stopped by PID."""
 

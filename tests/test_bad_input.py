@@ -59,6 +59,8 @@ def test_bad_stream_messages_are_dead_lettered_and_the_processor_keeps_going(nat
     first = kvtier_batch(MODEL, "w1", 1, 1, [stored(10)])
     second = kvtier_batch(MODEL, "w1", 1, 2, [stored(11)])
     wrong_worker = kvtier_batch(MODEL, "intruder", 1, 1, [stored(12)])
+    # a reason quoting a non-ASCII name stays text (nats-py would hand a reader an email Header)
+    accented_worker = kvtier_batch(MODEL, "w\u00f6rker", 1, 1, [stored(13)])
     future = msgspec.msgpack.encode({"kind": "batch", "v": 7, "worker_id": "w1", "model": MODEL, "epoch": 1,
                                      "seq": 2, "ts": 1.0, "source_ts": 1.0})
     bad_seq = msgspec.msgpack.encode({"kind": "batch", "worker_id": "w1", "model": MODEL, "epoch": 1, "seq": -3,
@@ -74,7 +76,8 @@ def test_bad_stream_messages_are_dead_lettered_and_the_processor_keeps_going(nat
         await ensure_streams(js, StreamSettings())
         subject = events_subject(MODEL, "w1")
         await js.publish(subject, encode_message(first))
-        for raw in (encode_message(second)[:-3], future, bad_seq, nan_ts, bad_tier, encode_message(wrong_worker), "\udcff".encode(
+        for raw in (encode_message(second)[:-3], future, bad_seq, nan_ts, bad_tier, encode_message(wrong_worker),
+                    encode_message(accented_worker), "\udcff".encode(
                 "utf-8", "surrogatepass")):
             await js.publish(subject, raw)
         await js.publish(subject, encode_message(second))
@@ -87,9 +90,11 @@ def test_bad_stream_messages_are_dead_lettered_and_the_processor_keeps_going(nat
                    what=lambda: processor.output()[-2000:])
         assert set(read_worker_pages(redis_client, MODEL, "w1")) == {10, 11}
         assert not read_worker_pages(redis_client, MODEL, "intruder")
-        letters = asyncio.run(read_dead_letters(nats_server.url, 7))
+        letters = asyncio.run(read_dead_letters(nats_server.url, 8))
         reasons = [h["Kvtier-Reason"] for _, h, _ in letters]
-        assert len(letters) == 7, reasons
+        assert len(letters) == 8, reasons
+        assert all(isinstance(r, str) for r in reasons), reasons
+        assert any("m-bad/w\\xf6rker arrived on subject" in r for r in reasons), reasons
         assert all(h["Kvtier-Source-Subject"].startswith("kvtier.events.m-bad.w1.") for _, h, _ in letters)
         expected = ["truncated", "newer than this kvtier", "Expected `int` >= 1 - at `$.seq`",
                     "Expected `float` >= 0.0 - at `$.ts`", "Invalid enum value 'ssd'",

@@ -865,7 +865,7 @@ def check_flag_tables(doc: str) -> list[str]:
     wanted = tables["render"]()
     if written == wanted:
         return []
-    stale = sorted(set(written.splitlines()) ^ set(wanted.splitlines()))
+    stale = sorted(set(written.splitlines()) ^ set(wanted.splitlines())) or ["the same lines in another order"]
     message = (f"docs/DEPLOY.md: the flag tables differ from kvtier's parser ({len(stale)} lines, "
                f"e.g. {stale[0][:120]!r}); run `python deploy/flag_table.py --write`")
     return [message]

@@ -19,7 +19,7 @@ from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
 
 from .helpers import stop_all, wait_until
-from .router_helpers import RouterProcess, StateSeeder, http, request_tokens
+from .router_helpers import GUIDE_LOAD_SCALE, RouterProcess, StateSeeder, http, request_tokens
 
 MODEL = "org/model-1"
 
@@ -43,7 +43,7 @@ def test_walk_counts_device_prefix_then_host_then_disk(redis_client, redis_serve
     seeder.announce("orphan", 4)
     seeder.store("orphan", Tier.HOST, hashes[1:10])
     seeder.worker("cold", 4)
-    router = RouterProcess(redis_server.url)
+    router = RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE)
     try:
         status, body, _ = router.route(MODEL, tokens, book=False)
         assert status == 200, body
@@ -94,7 +94,7 @@ def test_booking_shows_up_in_every_replica_and_releases(redis_client, redis_serv
     seeder = StateSeeder(redis_client, MODEL)
     seeder.worker("a", 4, tokens, device=8)
     seeder.worker("b", 4)
-    first, second = RouterProcess(redis_server.url), RouterProcess(redis_server.url)
+    first, second = RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE), RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE)
     try:
         status, body, _ = first.route(MODEL, tokens, request_id="req-1", max_new_tokens=8)
         assert status == 200 and body["worker_id"] == "a", body

@@ -11,7 +11,7 @@ from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
 
 from .helpers import stop_all
-from .router_helpers import RouterProcess, StateSeeder, request_tokens
+from .router_helpers import GUIDE_LOAD_SCALE, RouterProcess, StateSeeder, request_tokens
 
 MODEL = "org/predicted"
 PAGE = 4
@@ -26,8 +26,8 @@ def test_a_booked_request_is_predicted_on_its_worker_for_every_replica(redis_cli
     for w in ("w0", "w1", "w2"):
         seeder.worker(w, PAGE)  # all cold: nothing any events have shown yet
     tokens = request_tokens(8, PAGE, seed=3)
-    a = RouterProcess(redis_server.url, "--seed", "1", "--predicted-pages", "on")
-    b = RouterProcess(redis_server.url, "--seed", "2", "--predicted-pages", "on")
+    a = RouterProcess(redis_server.url, "--seed", "1", "--predicted-pages", "on", *GUIDE_LOAD_SCALE)
+    b = RouterProcess(redis_server.url, "--seed", "2", "--predicted-pages", "on", *GUIDE_LOAD_SCALE)
     try:
         status, first, _ = a.route(MODEL, tokens, request_id="first")
         assert status == 200, first
@@ -99,7 +99,7 @@ def test_predicted_page_weight_is_a_per_request_override(redis_client, redis_ser
     seeder.worker("w0", PAGE)
     seeder.worker("w1", PAGE)
     tokens = request_tokens(8, PAGE, seed=11)
-    router = RouterProcess(redis_server.url, "--predicted-pages", "on")
+    router = RouterProcess(redis_server.url, "--predicted-pages", "on", *GUIDE_LOAD_SCALE)
     try:
         chosen = router.route(MODEL + "-4", tokens, request_id="a")[1]["worker_id"]
         status, body, _ = router.route(MODEL + "-4", tokens, book=False,

@@ -20,6 +20,8 @@ from kvtier.schemas.routing import RouteOverrides, ScoringWeights, TierOverlap
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
 DEFAULTS = ScoringWeights()
+#: The HiCache guide's weights (its worked example's): kvtier's defaults but prefill_load_scale 1.
+GUIDE = ScoringWeights(prefill_load_scale=1.0)
 
 
 def test_worked_example_from_the_hicache_guide():
@@ -27,7 +29,7 @@ def test_worked_example_from_the_hicache_guide():
     shared = SharedPages.of([True, True, True, True])
     w0 = scoring.CandidateInputs("W0", TierOverlap(device=2, shared_beyond=shared.beyond(2)))
     w1 = scoring.CandidateInputs("W1", TierOverlap(device=0, shared_beyond=shared.beyond(0)))
-    result = scoring.score(4, [w0, w1], DEFAULTS, u=0.99)
+    result = scoring.score(4, [w0, w1], GUIDE, u=0.99)
     assert result.logits == [1.0, 2.0]
     assert result.chosen == 0
 

@@ -10,6 +10,7 @@ from kvtier.bench.synth_trace import SynthParams, generate, trace_stats
 from kvtier.bench.trace import load_trace, prepare
 from kvtier.bench.tune import OBJECTIVES, tune
 from kvtier.producers.sim_cluster import ClusterShape
+from kvtier.schemas.routing import ScoringWeights
 
 SHAPE = ClusterShape(workers=3, page_size=64, device_pages=512, host_pages=512, l3=False)
 
@@ -67,18 +68,18 @@ def test_synth_trace_cli_writes_a_mooncake_format_trace(tmp_path):
 
 def test_a_tuned_setting_replays_with_the_routers_flags():
     """`kvtier tune` prints `kvtier router` flags; `kvtier bench replay` takes the same flags, and
-    they reach the policies (a larger prefill load scale spreads the same trace differently)."""
+    they reach the policies (other weights route the same trace differently)."""
     base = [sys.executable, "-m", "kvtier.cli", "bench", "replay", "--trace", "synthetic:3", "--requests", "120",
             "--workers", "2", "--device-pages", "256", "--host-pages", "512", "--no-l3", "--via", "model",
             "--policies", "tier_aware", "--json"]
     reports = []
-    for extra in ([], ["--prefill-load-scale", "16", "--host-cache-hit-weight", "0.4"]):
+    for extra in ([], ["--prefill-load-scale", "2", "--host-cache-hit-weight", "0.4"]):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=170)
         assert out.returncode == 0, out.stderr[-3000:]
         reports.append(json.loads(out.stdout.strip().splitlines()[-1]))
     defaults, tuned = reports
-    assert defaults["weights"]["prefill_load_scale"] == 1.0
-    assert tuned["weights"]["prefill_load_scale"] == 16.0 and tuned["weights"]["host_cache_hit_weight"] == 0.4
+    assert defaults["weights"]["prefill_load_scale"] == ScoringWeights().prefill_load_scale
+    assert tuned["weights"]["prefill_load_scale"] == 2.0 and tuned["weights"]["host_cache_hit_weight"] == 0.4
     assert tuned["policies"]["tier_aware"] != defaults["policies"]["tier_aware"]
     bad = subprocess.run(base + ["--prefill-load-scale", "-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--prefill-load-scale" in bad.stderr

@@ -415,10 +415,20 @@ def sglang_payloads(draw, events: st.SearchStrategy | None = None):
     return [ts, batch] if rank == "absent" else [ts, batch, rank]
 
 
+def _one_msgpack_value(data: bytes) -> bool:
+    try:
+        msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return True
+
+
 def _tier_events():
     tiers = st.sampled_from(list(Tier))
-    # Token ids travel as raw msgpack, checked only by the hash check: anything may be there.
-    tokens = st.lists(TOKENS, max_size=24).map(pack_token_ids) | values().map(encode_msgpack).map(msgspec.Raw)
+    # Token ids travel as raw msgpack, checked only by the hash check: any one msgpack value may
+    # be there (not a broken one: that breaks the whole message, which is then not valid).
+    tokens = st.lists(TOKENS, max_size=24).map(pack_token_ids) | values().map(encode_msgpack).filter(
+        _one_msgpack_value).map(msgspec.Raw)
     stored = st.builds(
         lambda tier, hashes, parent, size, tokens, lora, ns: PagesStored(
             tier=tier, hashes=hashes, parent=parent, page_size=size, token_ids=tokens, lora_id=lora, namespace=ns),
@@ -1322,7 +1332,8 @@ class ProcessorStack:
             _expect(subject.startswith("kvtier.dlq.processor."), f"dead letter on {subject}")
             _expect(bool(headers.get("Kvtier-Reason")), f"dead letter without a reason: {headers}")
         _expect(len(got) == expected_dead, f"{len(got)} dead letters for {expected_dead} bad messages: "
-                                           f"{[h.get('Kvtier-Reason') for _, _, h, _ in got]}")
+                                           f"{[(_source_seq(h), h.get('Kvtier-Reason')) for _, _, h, _ in got]} "
+                                           f"(events from stream seq {self._events_from})")
         return len(got)
 
     async def _letters(self):

@@ -34,7 +34,7 @@ SPACE = (
     ("host_cache_hit_weight", 0.0, 1.5, False),
     ("disk_cache_hit_weight", 0.0, 1.0, False),
     ("shared_cache_multiplier", 0.0, 1.5, False),
-    ("prefill_load_scale", 0.25, 16.0, True),
+    ("prefill_load_scale", 0.25, 64.0, True),
     ("predicted_page_weight", 0.0, 1.5, False),
     ("temperature", 0.0, 0.3, False),
 )

@@ -46,7 +46,8 @@ def test_worked_example_with_a_real_shared_pool(redis_server, mooncake_master, s
     seeder = StateSeeder(client, MODEL)
     seeder.worker("W0", 1, tokens, device=2, layout=layout)
     seeder.worker("W1", 1, layout=layout)
-    router = RouterProcess(redis_server.url, "--shared-cache-type", "hicache", "--shared-cache-multiplier", "0.5",
+    router = RouterProcess(redis_server.url, "--prefill-load-scale", "1", "--shared-cache-type", "hicache",
+                           "--shared-cache-multiplier", "0.5",
                            "--mooncake-master", mooncake_master.http_url)
     try:
         status, body, headers = router.route(MODEL, tokens, book=False)
