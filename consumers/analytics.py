@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -50,6 +51,9 @@ from kvtier.schemas.subjects import (
     decisions_subject,
     subject_token,
 )
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 log = logging.getLogger("kvtier.analytics")
 
@@ -136,8 +140,9 @@ async def read_stream(nc, stream: str, filters: list[str], *, start_seq: int | N
     unacknowledged pull consumer (deleted afterwards): from the first one (or `start_seq` /
     `start_time`) to `end_seq` / `end_time` or to what the stream held when it began."""
     import nats.js.errors
-    from kvtier.consumers.pull import PullStream
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from kvtier.consumers.pull import PullStream
 
     js = nc.jetstream()
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=60.0,
@@ -206,7 +211,8 @@ class AnalyticsCollector:
 
         a = self.a
         resident = GaugeMetricFamily("kvtier_analytics_resident_pages",
-                                     "Pages a worker holds on a tier now, from its events", labels=["model", "worker", "tier"])
+                                     "Pages a worker holds on a tier now, from its events",
+                                     labels=["model", "worker", "tier"])
         workers = GaugeMetricFamily("kvtier_analytics_workers",
                                     "Workers seen, by lease state (live: announced and not expired; expired; unleased: "
                                     "events but no announcement)", labels=["model", "state"])
@@ -271,7 +277,8 @@ class AnalyticsCollector:
             request_tokens.add_metric([model], n)
         yield request_tokens
         degraded = CounterMetricFamily("kvtier_analytics_degraded_decisions",
-                                       "Decisions made without an input, by what was missing", labels=["model", "reason"])
+                                       "Decisions made without an input, by what was missing",
+                                       labels=["model", "reason"])
         for key, n in sorted(a.degraded.items()):
             degraded.add_metric(list(key), n)
         yield degraded
@@ -358,7 +365,7 @@ class AnalyticsService:
         self.registry = CollectorRegistry()
         self.registry.register(AnalyticsCollector(self.analytics, self.stats, lambda: self._rebuilding))
         ProcessCollector(registry=self.registry)
-        self.nc = None
+        self.nc: NATS | None = None
         self.port = 0
 
     def durable_name(self, stream: str) -> str:
@@ -379,7 +386,7 @@ class AnalyticsService:
         await runner.setup()
         site = web.TCPSite(runner, self.cfg.host, self.cfg.http_port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # a started site's server
         if ready is not None:
             ready(self.port)
         try:
@@ -500,7 +507,8 @@ class AnalyticsService:
                     await asyncio.sleep(0.5)
                     if isinstance(exc, ConsumerGone):  # deleted under us: recreate it at its ack floor
                         with contextlib.suppress(Exception):
-                            await self._durable(self.nc.jetstream(), stream)
+                            # run() connected before it started the consumers
+                            await self._durable(self.nc.jetstream(), stream)  # type: ignore[union-attr]
                     pull = await PullStream(self.nc, stream, durable, self.cfg.fetch_batch).start()
                     continue
                 for msg in msgs:

@@ -105,7 +105,8 @@ class Reservoir:
     """Up to `size` uniformly sampled values (deterministic seed), for exact-ish percentiles."""
 
     def __init__(self, size: int, seed: int = 0):
-        self.size, self.seen, self.values = size, 0, []
+        self.size, self.seen = size, 0
+        self.values: list[float] = []
         self._rng = random.Random(seed)
 
     def add(self, value: float) -> None:

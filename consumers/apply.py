@@ -12,8 +12,9 @@ import enum
 import importlib.resources
 import secrets
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import cast
 
 import msgspec
 import redis
@@ -269,7 +270,9 @@ class TierStateWriter:
         removed: list[tuple[str, str, int]] = []
         for token in sorted(self.client.smembers(self.models_key)):
             keys = ModelKeys(as_text(token), self.root)
-            for worker, expiry in self.client.zrangebyscore(keys.leases, "-inf", now_ms, withscores=True):
+            # withscores=True: (member, score) pairs, which redis-py's types do not tell apart from members
+            for worker, expiry in cast("list[tuple[bytes | str, float]]",
+                                       self.client.zrangebyscore(keys.leases, "-inf", now_ms, withscores=True)):
                 worker_id = as_text(worker)
                 if settled is not None and expiry > 1000 * settled.get(
                         partition_of(keys.model_token, worker_id, partitions), float("-inf")):
@@ -288,7 +291,9 @@ class TierStateWriter:
         found = []
         for token in sorted(self.client.smembers(self.models_key)):
             keys = ModelKeys(as_text(token), self.root)
-            for worker, expiry in self.client.zrangebyscore(keys.leases, "-inf", now_ms, withscores=True):
+            # withscores=True: (member, score) pairs, which redis-py's types do not tell apart from members
+            for worker, expiry in cast("list[tuple[bytes | str, float]]",
+                                       self.client.zrangebyscore(keys.leases, "-inf", now_ms, withscores=True)):
                 worker_id = as_text(worker)
                 if expiry <= 1000 * settled.get(partition_of(keys.model_token, worker_id, partitions), float("-inf")):
                     epoch, seq = self.client.hmget(keys.state(worker_id), "epoch", "seq")

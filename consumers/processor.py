@@ -30,6 +30,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import nats
@@ -65,6 +66,10 @@ from kvtier.schemas.subjects import (
     subject_token,
 )
 from kvtier.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.js import JetStreamContext
 
 log = logging.getLogger("kvtier.processor")
 
@@ -124,7 +129,8 @@ def _really_cancelled() -> bool:
     """Whether the running task was cancelled (not a library cancelling one of its own
     futures, which reaches the awaiting code as the same CancelledError)."""
     task = asyncio.current_task()
-    return task is None or task.cancelling() > 0
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; on 3.10 every one is taken as real
+    return task is None or cancelling is None or cancelling() > 0
 
 
 @dataclass
@@ -169,8 +175,8 @@ class Processor:
         self._models_seen: set[str] = set()
         self._incarnations: dict[str, str] = {}  # model token -> marker id last seen
         self._recovering: dict[str, asyncio.Task] = {}
-        self.nc = None
-        self.js = None
+        self.nc: NATS = None  # type: ignore[assignment]  # connected in run(), before any use
+        self.js: JetStreamContext = None  # type: ignore[assignment]  # likewise
         self.partitions: list[int] = []
         self.total_partitions = 0
         self._reconnects_seen = 0
@@ -333,7 +339,7 @@ class Processor:
                 if _really_cancelled():
                     raise
                 log.error("partition %d: a stray cancellation ended the consumer; restarting it", partition)
-            except Exception:  # noqa: BLE001 - see the docstring
+            except Exception:  # see the docstring
                 log.exception("partition %d: the consumer failed; restarting it", partition)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -371,7 +377,7 @@ class Processor:
                 await self.handle(messages)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - nothing unacked is lost, so back off and retry
+            except Exception as exc:  # nothing unacked is lost, so back off and retry
                 if isinstance(exc, redis.RedisError):
                     log.warning("partition %d: Redis unavailable (%s); redelivering %d messages", partition, exc,
                                 len(messages))
@@ -483,7 +489,7 @@ class Processor:
                 APPLIED_TRANSITIONS.inc(result.transitions)
                 LAG.observe(max(0.0, now - batch.source_ts))
                 if self.hash_validator is not None:
-                    await self._check_hashes(batch)
+                    await self._check_hashes(batch, self.hash_validator)
                 if result.stale:
                     await self._request_resync(batch.model, batch.worker_id, "state is stale")
             else:
@@ -491,18 +497,18 @@ class Processor:
                                 ApplyStatus.GONE: "worker_gone"}.get(result.status, "other")).inc()
             await msg.ack()
 
-    async def _check_hashes(self, batch: EventBatch) -> None:
+    async def _check_hashes(self, batch: EventBatch, validator: HashValidator) -> None:
         key = (batch.model, batch.worker_id)
         keys = ModelKeys.for_model(batch.model)
-        if not self.hash_validator.knows(*key):
+        if not validator.knows(*key):
             recorded = await self.redis_async.hget(keys.hash_check, batch.worker_id)
             if recorded:
                 with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                    self.hash_validator.seed(batch.model, decode_hash_check(recorded))
+                    validator.seed(batch.model, decode_hash_check(recorded))
         if key not in self._page_sizes:
             announced = await self.redis_async.hget(keys.page_sizes, batch.worker_id)
             self._page_sizes[key] = int(announced) if announced else 0
-        outcome = self.hash_validator.check_batch(batch, self._page_sizes[key] or None, time.monotonic())
+        outcome = validator.check_batch(batch, self._page_sizes[key] or None, time.monotonic())
         if outcome.matched:
             HASH_PAGES.labels("matched").inc(outcome.matched)
         for label, pages in (("unverifiable", outcome.unverifiable), ("skipped", outcome.skipped),
@@ -611,7 +617,7 @@ class Processor:
                 await self._persist_hash_checks()
             except (redis.RedisError, nats.errors.Error, nats.js.errors.Error) as exc:
                 log.warning("housekeeping failed: %s", exc)
-            except Exception:  # noqa: BLE001 - housekeeping must outlive any one bad sweep
+            except Exception:  # housekeeping must outlive any one bad sweep
                 log.exception("housekeeping sweep failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.reap_interval_s)
@@ -769,9 +775,9 @@ class Processor:
                 # A model this processor never saw ready, in a store that was not lost: if it
                 # has no state either, it is new and starts empty now, without a rebuild (a
                 # later batch than its first would still be caught by the seq check).
-                marker_id = await asyncio.to_thread(self.writer.adopt_new_model, token)
-                if marker_id is not None:
-                    self._incarnations[token] = marker_id
+                new_marker_id = await asyncio.to_thread(self.writer.adopt_new_model, token)
+                if new_marker_id is not None:
+                    self._incarnations[token] = new_marker_id
                     log.info("model %s: first seen; its state starts empty", token)
                     return
             outcome, marker_id = await asyncio.to_thread(self.writer.claim_rebuild, token, self.owner,
@@ -808,7 +814,7 @@ class Processor:
                     await self._request_resync(token, plan.worker_id, "state store lost and history truncated")
         except (redis.RedisError, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
             log.warning("model %s: preparing the rebuild failed (%s); retrying", token, exc)
-        except Exception:  # noqa: BLE001 - the probe retries; the marker stays not ready meanwhile
+        except Exception:  # the probe retries; the marker stays not ready meanwhile
             log.exception("model %s: preparing the rebuild failed", token)
 
     async def _scan_model(self, token: str) -> list[RebuildPlan]:
@@ -832,7 +838,8 @@ class Processor:
             worker_id, epoch, seq, lease_s = position
             lease_s = self.cfg.default_lease_s if lease_s is None else lease_s
             live = last.time.timestamp() + lease_s >= now if last.time and lease_s > 0 else lease_s != 0
-            start, before = await self._epoch_start(subject, epoch, first, last.seq)
+            # nats-py types a stored message's seq and data as Optional: get_last_msg and get_msg fill them.
+            start, before = await self._epoch_start(subject, epoch, first, last.seq)  # type: ignore[arg-type]
             plans.append(RebuildPlan(worker_id, epoch, seq, start, before if before is not None else seq,
                                      int(tokens[4]), live))
         return plans
@@ -850,18 +857,19 @@ class Processor:
             if position is not None and position[1] >= epoch:
                 hi, found = mid, msg
             else:
-                lo = msg.seq + 1
+                lo = msg.seq + 1  # type: ignore[operator]  # (seq and data: see _scan_model)
         if found is None:  # found is always the first message from `lo` on
             found = await self.js.get_msg(EVENTS_STREAM, seq=lo, subject=subject, next=True)
         try:
-            message = decode_message(found.data)
+            message = decode_message(found.data)  # type: ignore[arg-type]
         except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
-            return found.seq, None
+            return found.seq, None  # type: ignore[return-value]
         if isinstance(message, EventBatch):
-            return found.seq, message.seq - 1
+            return found.seq, message.seq - 1  # type: ignore[return-value]
         if isinstance(message, WorkerExpired):
-            return found.seq, message.seq
-        return found.seq, message.cursor.seq  # an announcement: the next batch follows its cursor
+            return found.seq, message.seq  # type: ignore[return-value]
+        # an announcement: the next batch follows its cursor
+        return found.seq, message.cursor.seq  # type: ignore[return-value]
 
     async def _rewind(self, starts: dict[int, int]) -> bool:
         """Re-create each partition's durable consumer at its start (never past its ack floor:

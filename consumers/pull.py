@@ -14,6 +14,7 @@ import time
 
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 _STATUS = "Status"
 _PENDING = "Nats-Pending-Messages"
@@ -53,12 +54,12 @@ class PullStream:
         self.max_batch = max_batch
         self.expires_ns = int(expires_s * 1e9)
         self.inbox = nc.new_inbox()
-        self.sub = None
+        self.sub: Subscription = None  # type: ignore[assignment]  # subscribed in start(), before any use
         self.outstanding = 0
         self.expires_s = expires_s
         self._last_heard = time.monotonic()
 
-    async def start(self) -> "PullStream":
+    async def start(self) -> PullStream:
         tolerate_undecodable_subjects(self.nc)
         self.sub = await self.nc.subscribe(self.inbox, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30)
         return self
@@ -87,17 +88,18 @@ class PullStream:
     def _account(self, msg: Msg) -> bool:
         """True for a message to process; status messages update the outstanding count."""
         self._last_heard = time.monotonic()
-        status = msg.headers.get(_STATUS) if msg.headers else None
+        headers = msg.headers or {}
+        status = headers.get(_STATUS)
         if not status:
             self.outstanding -= 1
             return True
         if status == _HEARTBEAT:
             return False
         if status in (_TIMEOUT, _NO_MESSAGES):
-            pending = msg.headers.get(_PENDING)
+            pending = headers.get(_PENDING)
             self.outstanding = max(0, self.outstanding - int(pending)) if pending else 0
             return False
-        description = msg.headers.get("Description", "")
+        description = headers.get("Description", "")
         if status == "409" and "Exceeded" in description:
             self.outstanding = 0  # the request was refused as a whole; ask again
             return False

@@ -212,7 +212,8 @@ def _configure_connections(args) -> None:
 def _add_stream_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-partitions", type=_positive_int, default=None,
                    help=f"Partitions of the events stream when this process creates it (default "
-                        f"{DEFAULT_PARTITIONS}). If the stream exists with another count, giving this flag is an error.")
+                        f"{DEFAULT_PARTITIONS}). If the stream exists with another count, giving this flag is an "
+                        "error.")
     p.add_argument("--stream-max-age", type=_positive_float, default=None,
                    help="Keep events this many seconds in the stream: how far back `kvtier replay` reaches "
                         "(default 86400 when creating it). Given explicitly, an existing stream is updated to it.")
@@ -266,7 +267,8 @@ def _add_replay_parsers(sub) -> None:
     rp.add_argument("--ttl", type=int, default=3600,
                     help="Seconds the scratch keys live (0: until `kvtier replay --drop`).")
     rp.add_argument("--diff", action="store_true",
-                    help="Compare the rebuilt state with the live one per worker and tier; exit 1 if any page diverges.")
+                    help="Compare the rebuilt state with the live one per worker and tier; exit 1 if any page "
+                         "diverges.")
     rp.add_argument("--drop", nargs="?", const="", default=None, metavar="NAMESPACE",
                     help="Delete a scratch namespace's keys (with --into-db N: the kvt keys of database N) and exit.")
     rp.add_argument("--json", action="store_true", help="Also print one JSON object as the last line.")
@@ -435,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sglang-url", default="",
                    help="The SGLang server's HTTP address (e.g. http://10.0.0.5:30000). At start the bridge reads its "
                         "/server_info and /get_hicache_l3_cache_layout and takes the endpoints, page size, DP/TP/PP "
-                        "sizes, model and Mooncake layout from them; a flag that disagrees with the server is an error.")
+                        "sizes, model and Mooncake layout from them; a flag that disagrees with the server is an "
+                        "error.")
     b.add_argument("--sglang-timeout", type=_positive_float, default=5.0,
                    help="Seconds to wait for each of SGLang's replies at start (--sglang-url).")
     b.add_argument("--sglang-api-key", default="",
@@ -603,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Simulated device->host copy time before the host store event.")
     add_cost_model_arguments(w)
     w.add_argument("--l3", action="store_true", help="Write pages to a shared L3 pool and prefetch from it.")
-    w.add_argument("--l3-pages", type=_positive_int, default=None, help="L3 pool capacity in pages (default: unbounded).")
+    w.add_argument("--l3-pages", type=_positive_int, default=None,
+                   help="L3 pool capacity in pages (default: unbounded).")
     w.add_argument("--mooncake-rpc", default="",
                    help="With --l3: a real Mooncake master's RPC address (host:port) to write and find pages in.")
     w.add_argument("--mooncake-metadata", default="",
@@ -618,8 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
 
     i = sub.add_parser("inspect", help="Show each worker's tier state in Redis: pages per tier, epoch, seq, lease.",
-                       description="Read what the processors keep in Redis: per worker, pages on each tier, the applied "
-                                   "(epoch, seq), how long ago it was applied, its lease, and whether it is stale.")
+                       description="Read what the processors keep in Redis: per worker, pages on each tier, the "
+                                   "applied (epoch, seq), how long ago it was applied, its lease, and whether it is "
+                                   "stale.")
     i.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0.")
     i.add_argument("--model", default=None, help="Only this model (default: every model).")
     i.add_argument("--worker", default=None, help="Only this worker.")
@@ -998,7 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
                 nats_url=args.nats, redis_url=args.redis,
                 partitions=None if args.partitions == "auto" else args.partitions,
                 auto_partitions=args.partitions == "auto",
-                durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s, lost_delivery_s=args.lost_delivery_s,
+                durable_prefix=args.durable_prefix, fetch_batch=args.fetch_batch, gap_timeout_s=args.gap_timeout_s,
+                lost_delivery_s=args.lost_delivery_s,
                 worker_retention_s=args.worker_retention_s, partition_lease_s=args.partition_lease_s,
                 ack_wait_s=args.ack_wait_s, reap_interval_s=args.reap_interval_s, streams=streams,
                 partitions_explicit=explicit, hash_check=args.hash_check == "on",
@@ -1039,6 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.doctor import run_doctor
 
             return run_doctor(args)
+        elif args.command == "replay" and args.replay_command == "explain":
+            from kvtier.explain import run_explain
+
+            return run_explain(args)
         elif args.command == "replay":
             from kvtier.replay import run_replay
 
@@ -1095,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_fuzz_bench(args)
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - a CLI reports errors as one clear line
+    except Exception as exc:  # a CLI reports errors as one clear line
         from kvtier.errors import user_facing
 
         message = user_facing(exc)

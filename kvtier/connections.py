@@ -30,7 +30,8 @@ def is_cluster_url(url: str) -> bool:
 
 def _plain_url(url: str) -> str:
     parts = urlsplit(url)
-    return urlunsplit(parts._replace(scheme=_CLUSTER_SCHEMES[parts.scheme])) if parts.scheme in _CLUSTER_SCHEMES else url
+    return (urlunsplit(parts._replace(scheme=_CLUSTER_SCHEMES[parts.scheme])) if parts.scheme in _CLUSTER_SCHEMES
+            else url)
 
 
 _tls_ca = ""

@@ -75,7 +75,8 @@ def point_verdict(report: dict) -> str:
     if reuse >= 2.0 or p50 <= 0.9:
         head = f"tier awareness pays: {reuse:+.1f} points reused, TTFT p50 x{p50:.2f}, p99 x{p99:.2f}"
     elif p99 <= 0.9:
-        head = f"the same reuse as round robin (within {abs(reuse):.1f} points), but a shorter tail: TTFT p99 x{p99:.2f}"
+        head = (f"the same reuse as round robin (within {abs(reuse):.1f} points), but a shorter tail: "
+                f"TTFT p99 x{p99:.2f}")
     elif p50 >= 1.05 or reuse <= -1.0:
         head = f"kvtier does worse than round robin here (TTFT p50 x{p50:.2f}, reuse {reuse:+.1f} points)"
     else:
@@ -112,7 +113,8 @@ def format_sweep(points: list[dict]) -> str:
     lines = [header, "-" * 120]
     for p in points:
         rr, ours, oracle = p["policies"]["round_robin"], p["policies"][p["best"]], p["policies"]["oracle"]
-        lines.append(f"{p['host_ratio']:>11} {'yes' if p['l3'] else 'no':>3} {p['bounds']['pooled_lru']['reused_pct']:>5.1f}% "
+        lines.append(f"{p['host_ratio']:>11} {'yes' if p['l3'] else 'no':>3} "
+                     f"{p['bounds']['pooled_lru']['reused_pct']:>5.1f}% "
                      f"{rr['reused_pct']:>8.1f}% {ours['reused_pct']:>6.1f}% {oracle['reused_pct']:>6.1f}% "
                      f"{rr['ttft_p50_ms']:>5.0f}ms {ours['ttft_p50_ms']:>5.0f}ms {oracle['ttft_p50_ms']:>5.0f}ms "
                      f"{rr['ttft_p99_ms']:>5.0f}ms {ours['ttft_p99_ms']:>5.0f}ms  {p['verdict']}")

@@ -418,7 +418,8 @@ def check_tiers(redis_view: RedisView) -> list[Finding]:
                     check="tiers", status=Status.WARN, subject=w.key,
                     finding=f"only GPU pages{since} while {_names(with_host, 3)} report a host tier: a mixed "
                             "fleet (HiCache off here, or an SGLang build without sglang#22894)",
-                    fix="run every worker of a model with the same --enable-hierarchical-cache setting; " + _HICACHE_FIX))
+                    fix="run every worker of a model with the same --enable-hierarchical-cache setting; "
+                        + _HICACHE_FIX))
         out.extend(problems)
         if not problems:
             if with_host:
@@ -559,8 +560,9 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
         shared = h.get("shared_pool") or {}
         log = h.get("decision_log") or {}
         errors = r.shared_pool_errors or {}
-        error_note = (" (shared-pool errors so far: "
-                      + ", ".join(f"{k}={v:.0f}" for k, v in sorted(errors.items())) + ")") if any(errors.values()) else ""
+        error_note = ((" (shared-pool errors so far: "
+                       + ", ".join(f"{k}={v:.0f}" for k, v in sorted(errors.items())) + ")")
+                      if any(errors.values()) else "")
         problems = 0
         if state and not state.get("ok", True):
             problems += 1
@@ -815,15 +817,14 @@ def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Worke
 
 
 async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> NatsView:
+    import ssl
+
     import nats
     import nats.js.errors
 
+    from kvtier.nats_options import NatsOptionsError, configured, explain, redact_nats
     from kvtier.schemas.events import EventBatch, WorkerAnnounce, WorkerExpired, decode_message
     from kvtier.streams import partitions_of
-
-    import ssl
-
-    from kvtier.nats_options import NatsOptionsError, configured, explain, redact_nats
 
     seen: list[BaseException] = []
 

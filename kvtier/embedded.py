@@ -102,7 +102,7 @@ class _Server:
     def _ready(self) -> bool:
         raise NotImplementedError
 
-    def start(self, timeout: float = 15.0) -> "_Server":
+    def start(self, timeout: float = 15.0) -> _Server:
         if self.process is not None:
             return self
         if not self.workdir:

@@ -6,8 +6,8 @@ import errno
 
 
 def user_facing(exc: BaseException) -> str | None:
-    from kvtier.embedded import MissingServerBinary, ServerStartError
     from kvtier.bench.dynamo_side import DynamoMissing
+    from kvtier.embedded import MissingServerBinary, ServerStartError
     from kvtier.mooncake import MooncakeError
     from kvtier.streams import StreamMismatch
 

@@ -44,9 +44,9 @@ from kvtier.router import scoring
 from kvtier.router.core import DEGRADED_ONLY_STALE, DEGRADED_STATE_STORE
 from kvtier.router.hashing import RequestPages
 from kvtier.router.state import OverlapReader, WorkerStatus
-from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.hashes import PageDigest, page_keys_blob
 from kvtier.schemas.routing import RouteDecision, TierOverlap
+from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import DECISIONS_PREFIX, DECISIONS_STREAM, decisions_subject
 
 TIERS = ("device", "host", "disk", "predicted")

@@ -15,7 +15,8 @@ from kvtier.schemas.tiers import TIER_PRIORITY
 
 
 def collect(client: redis.Redis, model: str | None = None, worker: str | None = None) -> list[dict]:
-    tokens = [ModelKeys.for_model(model).model_token] if model else sorted(as_text(t) for t in client.smembers(MODELS_KEY))
+    tokens = ([ModelKeys.for_model(model).model_token] if model
+              else sorted(as_text(t) for t in client.smembers(MODELS_KEY)))
     now_ms = time.time() * 1000
     rows = []
     for token in tokens:

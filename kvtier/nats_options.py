@@ -55,7 +55,7 @@ class NatsOptions:
 
     # --- built from the command line ----------------------------------------------------
     @classmethod
-    def from_args(cls, args) -> "NatsOptions":
+    def from_args(cls, args) -> NatsOptions:
         """The options of a parsed command line (flags that a command lacks count as unset)."""
         def get(name: str) -> str:
             return (getattr(args, name, None) or "").strip()

@@ -33,8 +33,9 @@ import random
 import secrets
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence, Union
+from typing import Any
 
 import msgspec
 
@@ -73,15 +74,15 @@ class CachedTokens(msgspec.Struct, frozen=True, kw_only=True):
     "host"[, "storage", "storage_backend"]} or null (null/absent when nothing was cached,
     and on servers that do not report it). `kvtier sim-worker` names the L3 part "l3"."""
 
-    total: Union[int, None] = None
+    total: int | None = None
     #: True when the worker broke the total down by tier.
     details: bool = False
-    device: Union[int, None] = None
-    host: Union[int, None] = None
-    storage: Union[int, None] = None
+    device: int | None = None
+    host: int | None = None
+    storage: int | None = None
 
 
-def _int_or_none(value: Any) -> Union[int, None]:
+def _int_or_none(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -98,7 +99,7 @@ def cached_tokens_of(meta_info: dict) -> CachedTokens:
     return CachedTokens(total=total)
 
 
-def worker_ttft_of(meta_info: dict) -> tuple[Union[float, None], str]:
+def worker_ttft_of(meta_info: dict) -> tuple[float | None, str]:
     """The worker's own time to first token, and where it was read: `ttft_s` (sim-worker),
     else `e2e_latency` (SGLang; with max_new_tokens=1 the first token is the last)."""
     for key in ("ttft_s", "ttft", "e2e_latency"):
@@ -138,7 +139,7 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     batches_watched: int = 0
     cached: CachedTokens = CachedTokens()
     wall_ttft_s: float = 0.0
-    worker_ttft_s: Union[float, None] = None
+    worker_ttft_s: float | None = None
     worker_ttft_field: str = ""
 
 
@@ -213,7 +214,7 @@ def judge(ev: Evidence) -> Judgement:
 
 
 def collect_evidence(*, series: str, page_size: int, prompt: Sequence[int], prefix_pages: int,
-                     before: Union[dict[BlockHash, set[Tier]], None], batches: Iterable[EventBatch],
+                     before: dict[BlockHash, set[Tier]] | None, batches: Iterable[EventBatch],
                      event_stream: bool, meta_info: dict, wall_ttft_s: float,
                      notes: Sequence[str] = ()) -> Evidence:
     """Evidence of one request (pure): `before` is the prompt's pages in Redis before it
@@ -279,7 +280,7 @@ class ProbeReport(msgspec.Struct, kw_only=True):
     question_tokens: int
     evicting_prefixes_sent: int
     #: Prefix pages still on device (Redis) when series C was sent; None without tier state.
-    prefix_pages_on_device_before_c: Union[int, None]
+    prefix_pages_on_device_before_c: int | None
     series: list[SeriesReport]
 
 
@@ -291,10 +292,10 @@ class ProbeConfig:
     model: str
     nats_url: str
     redis_url: str
-    page_size: Union[int, None] = None
+    page_size: int | None = None
     prefix_tokens: int = 2048
     evict_prefixes: int = 64
-    seed: Union[int, None] = None
+    seed: int | None = None
     watch_timeout_s: float = 5.0
     request_timeout_s: float = 300.0
     api_key: str = ""
@@ -303,7 +304,7 @@ class ProbeConfig:
 @dataclass
 class _Seen:
     stream_seq: int
-    message: Union[EventBatch, WorkerAnnounce]
+    message: EventBatch | WorkerAnnounce
 
 
 @dataclass
@@ -313,7 +314,7 @@ class EventWatcher:
 
     seen: list[_Seen] = field(default_factory=list)
     #: (epoch, seq) of the newest batch the stream holds for the worker, from batches and cursors.
-    latest: Union[tuple[int, int], None] = None
+    latest: tuple[int, int] | None = None
     last_arrival: float = 0.0
     note: str = ""
     _sub: Any = None
@@ -329,7 +330,8 @@ class EventWatcher:
             self.note = f"no event stream: NATS has no {EVENTS_STREAM} stream (no bridge has run there)"
             return
         if not info.state.subjects:
-            self.note = f"no event stream: {EVENTS_STREAM} holds nothing on {subject} (is a bridge forwarding this worker?)"
+            self.note = (f"no event stream: {EVENTS_STREAM} holds nothing on {subject} "
+                         "(is a bridge forwarding this worker?)")
         self._sub = await js.subscribe(subject, stream=EVENTS_STREAM, cb=self._on_message, ordered_consumer=True,
                                        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
 
@@ -390,7 +392,7 @@ class Probe:
         self.redis_error = ""
         return {as_text(k): as_text(v) for k, v in state.items()}
 
-    def _redis_position(self, state: dict[str, str]) -> Union[tuple[int, int], None]:
+    def _redis_position(self, state: dict[str, str]) -> tuple[int, int] | None:
         if "epoch" not in state:
             return None
         return int(state.get("epoch") or 0), int(state.get("seq") or 0)
@@ -433,11 +435,12 @@ class Probe:
                         "is a processor running?"]
             await asyncio.sleep(0.05)
 
-    async def _before(self, hashes: Sequence[BlockHash]) -> tuple[Union[dict[BlockHash, set[Tier]], None], list[str]]:
+    async def _before(self, hashes: Sequence[BlockHash]) -> tuple[dict[BlockHash, set[Tier]] | None, list[str]]:
         notes = await self._settle()
         state = self._redis_state()
         if self.redis_error:
-            return None, notes + [f"no tier state: cannot read Redis at {redact(self.config.redis_url)} ({self.redis_error})"]
+            return None, notes + [f"no tier state: cannot read Redis at {redact(self.config.redis_url)} "
+                                  f"({self.redis_error})"]
         if "epoch" not in state:
             return None, notes + [f"no tier state for this worker in Redis ({self.keys.state(self.config.worker_id)})"]
         if state.get("stale") == "1":
@@ -581,11 +584,11 @@ class Probe:
 
 
 # --- output ---------------------------------------------------------------------------------
-def _ms(seconds: Union[float, None]) -> str:
+def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}ms"
 
 
-def _num(value: Union[int, None]) -> str:
+def _num(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 

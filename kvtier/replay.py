@@ -32,19 +32,19 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Iterable
 
 import msgspec
 import redis
 
 from kvtier.connections import redact, redis_client
-from kvtier.timefmt import iso, parse_time  # noqa: F401 - re-exported for explain and events tail
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
+from kvtier.timefmt import iso, parse_time  # re-exported for explain and events tail
 
 #: Prefix of generated scratch namespaces.
 SCRATCH_PREFIX = "kvtreplay-"
@@ -132,7 +132,7 @@ class StreamReader:
         self.initial_pending = 0
         self._pull = None
 
-    async def __aenter__(self) -> "StreamReader":
+    async def __aenter__(self) -> StreamReader:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         from kvtier.consumers.pull import PullStream
@@ -597,7 +597,10 @@ def diff_states(live: dict[tuple[str, str], WorkerState],
         for member in sorted(lb - la):
             tier, page = split_member(member)
             only_replay.setdefault(tier.value, []).append(page)
-        position = (lambda s: f"{s.epoch}:{s.seq}" + (" stale" if s.stale else "") if s else "absent")
+
+        def position(s):
+            return f"{s.epoch}:{s.seq}" + (" stale" if s.stale else "") if s else "absent"
+
         diff = WorkerDiff(key[0], key[1], position(a), position(b), only_live, only_replay)
         if diff.pages or diff.live != diff.replay:
             out.append(diff)
@@ -621,10 +624,7 @@ def print_states(states: dict[tuple[str, str], WorkerState], now_ms: float) -> N
 
 
 def run_replay(args) -> int:
-    if args.replay_command == "explain":
-        from kvtier.explain import run_explain
-
-        return run_explain(args)
+    """`kvtier replay` (kvtier/cli.py sends `kvtier replay explain` to kvtier/explain.py's run_explain)."""
     if not args.redis:
         raise ReplayError("kvtier replay needs --redis URL (or KVTIER_REDIS)")
     if args.drop is not None:

@@ -189,7 +189,8 @@ def write_summary(summary: dict, path: pathlib.Path, plots: list[str]) -> None:
          f"{tr['promotion']} promotions, {tr['demotion']} demotions, {tr['eviction']} evictions; dropped: "
          f"{tr['cleared']} cleared, {tr['new_epoch']} by a new epoch, {tr['gap']} by a gap, "
          f"{tr['lease_expired']} by lease expiry."),
-        "- Resident at the end: " + ", ".join(f"{n} {t}" for t, n in summary["resident_pages_at_end"].items()) + " pages.",
+        "- Resident at the end: "
+        + ", ".join(f"{n} {t}" for t, n in summary["resident_pages_at_end"].items()) + " pages.",
     ]
     if summary["lifetimes"]:
         lines.append("- Page lifetime (store to remove): " + "; ".join(
@@ -343,7 +344,8 @@ def run_report(args) -> int:
         print(f"kvtier report: {exc}", file=sys.stderr)
         return 2
     if until <= since:
-        print(f"kvtier report: --until ({iso(until, 'seconds')}) must be after --since ({iso(since, 'seconds')})", file=sys.stderr)
+        print(f"kvtier report: --until ({iso(until, 'seconds')}) must be after --since ({iso(since, 'seconds')})",
+              file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
@@ -360,9 +362,10 @@ def run_report(args) -> int:
     summary["out"] = {"summary": str(out / "summary.md"), "plots": [str(out / p) for p in plots]}
     summary["seconds"] = round(time.monotonic() - started, 2)
     ev, tr = summary["events"], summary["transitions"]
-    print(f"kvtier report: {iso(since, 'seconds')} .. {iso(until, 'seconds')}: {ev['messages']} event messages, {summary['workers']} "
-          f"workers, {tr['stored']} stored / {tr['removed']} removed / {tr['promotion']} promotions / "
-          f"{tr['demotion']} demotions / {tr['eviction']} evictions, {summary['decisions']} decisions")
+    print(f"kvtier report: {iso(since, 'seconds')} .. {iso(until, 'seconds')}: {ev['messages']} event messages, "
+          f"{summary['workers']} workers, {tr['stored']} stored / {tr['removed']} removed / "
+          f"{tr['promotion']} promotions / {tr['demotion']} demotions / {tr['eviction']} evictions, "
+          f"{summary['decisions']} decisions")
     print(f"wrote {out / 'summary.md'}" + (", " + ", ".join(plots) if plots else " (no plots: pip install matplotlib)"))
     if args.json:
         print(json.dumps(summary, separators=(",", ":")))

@@ -204,7 +204,7 @@ async def _update_retention(js: JetStreamContext, current: StreamConfig, setting
 
 async def _add_stream_if_missing(js: JetStreamContext, config: StreamConfig) -> None:
     try:
-        await js.stream_info(config.name)
+        await js.stream_info(config.name)  # type: ignore[arg-type]  # the configs built here all have a name
     except nats.js.errors.NotFoundError:
         try:
             await js.add_stream(config)

@@ -132,7 +132,8 @@ class RankBridge:
         self.subject = events_subject(config.model, config.worker_id)
         self.metadata = config.metadata()
         self.sequencer = SourceSequencer()
-        self.replay = ReplayClient(zctx, config.replay_endpoint, config.replay_timeout_s) if config.replay_endpoint else None
+        self.replay = (ReplayClient(zctx, config.replay_endpoint, config.replay_timeout_s) if config.replay_endpoint
+                       else None)
         self.epoch = 0
         self.seq = 0
         self.pending_reason: EpochReason | None = None
@@ -177,7 +178,8 @@ class RankBridge:
 
     async def _load_cursor(self) -> BridgeCursor | None:
         try:
-            last = await self.js.get_last_msg(EVENTS_STREAM, stored_events_subject_pattern(self.cfg.model, self.cfg.worker_id))
+            last = await self.js.get_last_msg(EVENTS_STREAM,
+                                              stored_events_subject_pattern(self.cfg.model, self.cfg.worker_id))
         except nats.js.errors.NotFoundError:
             return None
         try:
@@ -278,7 +280,8 @@ class RankBridge:
                 continuation = self._continuation(filled, missing_from)
                 if continuation is not None:
                     GAPS.labels(self._label, "true").inc()
-                    log.info("%s: gap at engine seq %d..%d recovered from replay", self._label, missing_from, raw.seq - 1)
+                    log.info("%s: gap at engine seq %d..%d recovered from replay", self._label, missing_from,
+                             raw.seq - 1)
                     # replayed batches come first; the live ones follow and dedupe by (seq, ts)
                     raws = continuation + raws[index:]
                     index = 0
@@ -441,7 +444,7 @@ class RankBridge:
             async with self.lock:
                 await self._rebuild_epoch(EpochReason.RESYNC_REQUESTED,
                                           await self._replay_from(0) if self.replay else None)
-        except Exception as exc:  # noqa: BLE001 - a callback's errors would otherwise vanish
+        except Exception as exc:  # a callback's errors would otherwise vanish
             log.exception("%s: resync failed", self._label)
             self._failure = exc
             self.stop()

@@ -244,17 +244,17 @@ class HiCacheSim:
         h = len(path) - d
         protected = set(path)  # never evict what this request is about to use
 
-        l = 0
+        l3 = 0
         if cfg.l3 and self.shared_pool is not None and cfg.host_pages > 0:
             # A node already in the tree here is waiting for its own copy: stop rather than race it.
-            while (d + h + l < n and digests[d + h + l] not in self._nodes
-                   and self.shared_pool.contains(digests[d + h + l])):
-                l += 1
+            while (d + h + l3 < n and digests[d + h + l3] not in self._nodes
+                   and self.shared_pool.contains(digests[d + h + l3])):
+                l3 += 1
             # SGLang prefetches into host memory before the request is scheduled; the reads
             # make those pages recently used in the pool (its eviction is by last access).
-            l = self._make_host_room(l, protected)
-            self.shared_pool.touch(digests[d + h:d + h + l])
-            for i in range(d + h, d + h + l):
+            l3 = self._make_host_room(l3, protected)
+            self.shared_pool.touch(digests[d + h:d + h + l3])
+            for i in range(d + h, d + h + l3):
                 child = self._new_node(digests[i], node, token_ids, i, now)
                 child.host = _READY
                 self._host_leaves.add(child)
@@ -280,7 +280,7 @@ class HiCacheSim:
             placed.append(nd)
             parent = nd
         host_hit = min(h, avail)
-        l3_hit = min(l, avail - host_hit)
+        l3_hit = min(l3, avail - host_hit)
         reused = d + host_hit + l3_hit
 
         for nd in path[:reused]:

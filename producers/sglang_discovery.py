@@ -152,7 +152,8 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
 
     page_size = fact("--page-size", flags.page_size, events.block_size,
                      "kv_events.block_size (the page size it hashes KV events at)")
-    dp_size = fact("--dp-size", flags.dp_size, events.dp_size, "kv_events.dp_size (KV-event publishers, one per DP rank)")
+    dp_size = fact("--dp-size", flags.dp_size, events.dp_size,
+                   "kv_events.dp_size (KV-event publishers, one per DP rank)")
     tp_size = fact("--tp-size", flags.tp_size, info.tp_size, "tp_size")
     pp_size = fact("--pp-size", flags.pp_size, info.pp_size, "pp_size")
     topic = fact("--topic", flags.topic, events.topic, "kv_events.topic")
@@ -215,7 +216,8 @@ def _kv_events(url: str, info: ServerInfo, notes: list[str]) -> KvEventsDescript
     try:
         config = decode_kv_events_config(info.kv_events_config)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DiscoveryError(f"SGLang at {url} has an unreadable kv_events_config {info.kv_events_config!r}: {exc}")
+        raise DiscoveryError(f"SGLang at {url} has an unreadable kv_events_config {info.kv_events_config!r}: "
+                             f"{exc}") from None
     host, port = _tcp_host_port(config.endpoint)
     if config.publisher == "null" or port is None or not info.page_size:
         raise DiscoveryError(f"SGLang at {url} does not publish KV events kvtier can reach{configured}. "
@@ -380,7 +382,7 @@ def resolve_worker(flags: WorkerFlags, sglang_url: str = "", timeout_s: float = 
     mooncake = settings.mooncake
     log.info("discovered from SGLang %s at %s: model %s, page size %d, %d DP rank(s) on %s (replay %s), tp %d pp %d, "
              "Mooncake layout %s", settings.engine_version or "(version unknown)", normalize_url(sglang_url),
-             settings.model, settings.page_size, settings.dp_size, settings.endpoint, settings.replay_endpoint or "none",
-             settings.tp_size, settings.pp_size,
+             settings.model, settings.page_size, settings.dp_size, settings.endpoint,
+             settings.replay_endpoint or "none", settings.tp_size, settings.pp_size,
              f"{mooncake.attention.value} prefix {mooncake.key_prefix!r}" if mooncake else "none")
     return settings

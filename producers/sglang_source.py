@@ -75,7 +75,8 @@ class ReplayClient:
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
                 except asyncio.TimeoutError:
-                    raise ReplayError(f"no complete answer from replay socket {self.endpoint} within {self.timeout_s}s") from None
+                    raise ReplayError(f"no complete answer from replay socket {self.endpoint} "
+                                      f"within {self.timeout_s}s") from None
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 seq_frame, payload = _split_replay(frames)

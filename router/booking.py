@@ -5,8 +5,8 @@ give the load back; bookings of a router that died expire after their TTL."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvtier.consumers.apply import as_text
 from kvtier.schemas.routing import ReleaseStage

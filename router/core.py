@@ -41,7 +41,7 @@ from kvtier.schemas.routing import (
     TierOverlap,
 )
 from kvtier.schemas.subjects import subject_token
-from kvtier.schemas.worker import WorkerMetadata
+from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
 
 from . import scoring
 from .booking import AlreadyBooked, LoadBook
@@ -325,7 +325,8 @@ class Router:
             self.decision_log.submit(decision)
         return Outcome(response, decision)
 
-    async def _query_shared_pool(self, directory: ModelDirectory, pages_by_size: dict[int, RequestPages]):
+    async def _query_shared_pool(self, directory: ModelDirectory, pages_by_size: dict[int, RequestPages]
+                                 ) -> dict[int, dict[MooncakeLayout, SharedPages]]:
         """{page size: {layout: SharedPages}} for the workers that publish a Mooncake layout."""
         layouts_by_size: dict[int, set] = {}
         for meta in directory.workers.values():
@@ -334,7 +335,9 @@ class Router:
         result = {}
         try:
             for size, layouts in layouts_by_size.items():
-                result[size] = await self.shared_pool.pages_present(pages_by_size[size], list(layouts))
+                # only asked when the router has a shared pool (want_shared in route)
+                result[size] = await self.shared_pool.pages_present(  # type: ignore[union-attr]
+                    pages_by_size[size], list(layouts))
         except SharedPoolUnavailable as exc:
             self.metrics.shared_pool_errors.labels(exc.reason).inc()
             self.last_shared_pool_error = str(exc)
@@ -374,7 +377,8 @@ class Router:
         m.decision_latency.observe(latency)
         m.request_pages.observe(n_pages)
         o = response.overlap
-        for tier, value in (("device", o.device), ("host", o.host), ("disk", o.disk), ("shared_beyond", o.shared_beyond)):
+        for tier, value in (("device", o.device), ("host", o.host), ("disk", o.disk),
+                            ("shared_beyond", o.shared_beyond)):
             m.chosen_overlap.labels(tier).observe(value)
         if shared:
             hits = max((p.hits for layouts in shared.values() for p in layouts.values()), default=0)

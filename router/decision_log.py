@@ -46,7 +46,8 @@ class DecisionLog:
     async def _run(self) -> None:
         from kvtier.streams import connect_nats, ensure_decisions_stream
 
-        self._nc = await connect_nats(self._url, "kvtier-router-decisions", stop=self._stop)
+        # start() runs this only when there is a URL
+        self._nc = await connect_nats(self._url, "kvtier-router-decisions", stop=self._stop)  # type: ignore[arg-type]
         if self._nc is None:
             return
         js = self._nc.jetstream()

@@ -5,8 +5,8 @@ object keys SGLang HiCache writes for each page."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, sglang_page_digests
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
@@ -24,7 +24,7 @@ class RequestPages:
     keys_blob: str
 
     @classmethod
-    def of(cls, token_ids: Sequence[int], page_size: int) -> "RequestPages":
+    def of(cls, token_ids: Sequence[int], page_size: int) -> RequestPages:
         digests = tuple(sglang_page_digests(token_ids, page_size))
         return cls(page_size, digests, b"".join(d[:8] for d in digests).hex())
 

@@ -18,8 +18,8 @@ booking are one atomic step across router replicas; it takes `cache_credit()` fr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 
@@ -78,8 +78,8 @@ def score_terms(request_pages: int, candidate: CandidateInputs, weights: Scoring
     prefill_blocks = request_pages + candidate.prefill_load
     value = logit(request_pages, credit, candidate.prefill_load, candidate.decode_load, weights.prefill_load_scale)
     return ScoreTerms(prefill_blocks=prefill_blocks, device_credit=device, host_credit=host, disk_credit=disk,
-                      shared_credit=shared, predicted_credit=predicted, credit=credit, adjusted=max(prefill_blocks - credit, 0.0),
-                      decode_blocks=candidate.decode_load, logit=value)
+                      shared_credit=shared, predicted_credit=predicted, credit=credit,
+                      adjusted=max(prefill_blocks - credit, 0.0), decode_blocks=candidate.decode_load, logit=value)
 
 
 def logits(request_pages: int, candidates: Sequence[CandidateInputs], weights: ScoringWeights) -> list[float]:

@@ -32,6 +32,7 @@ from kvtier.schemas.routing import (
     ReleaseRequest,
     ReleaseStage,
     RouteRequest,
+    ScoringWeights,
 )
 
 from .core import SELECTIONS, Router, RoutingError
@@ -317,7 +318,7 @@ class RouterConfig:
     booking_ttl_s: float = 600.0
     state_timeout_s: float = 0.25
     router_id: str = ""
-    weights: object = None  # ScoringWeights
+    weights: ScoringWeights | None = None
     seed: int | None = None  # seeds the tie-breaking draws: the same calls give the same decisions
     predicted_pages: bool = False
     service: ServiceSettings = None  # type: ignore[assignment]
@@ -325,8 +326,6 @@ class RouterConfig:
 
 async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> None:
     from kvtier.connections import redis_async_client
-
-    from kvtier.schemas.routing import ScoringWeights
 
     from .core import RouterSettings
     from .decision_log import DecisionLog

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 from urllib.parse import quote
 
 import msgspec
@@ -41,7 +41,7 @@ class SharedPages:
     _suffix: tuple[int, ...]
 
     @classmethod
-    def of(cls, present: Sequence[bool]) -> "SharedPages":
+    def of(cls, present: Sequence[bool]) -> SharedPages:
         suffix = [0] * (len(present) + 1)
         for i in range(len(present) - 1, -1, -1):
             suffix[i] = suffix[i + 1] + (1 if present[i] else 0)
@@ -113,7 +113,8 @@ class SharedPoolClient:
             merged.update(reply)
         return merged
 
-    async def pages_present(self, pages: RequestPages, layouts: Sequence[MooncakeLayout]) -> dict[MooncakeLayout, SharedPages]:
+    async def pages_present(self, pages: RequestPages,
+                            layouts: Sequence[MooncakeLayout]) -> dict[MooncakeLayout, SharedPages]:
         """For each layout, which pages have all their objects in the pool."""
         per_layout = {layout: [mooncake_object_keys(d, layout) for d in pages.digests] for layout in set(layouts)}
         wanted = sorted({k for page_keys in per_layout.values() for keys in page_keys for k in keys})

@@ -8,8 +8,8 @@ import enum
 import importlib.resources
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import msgspec
 

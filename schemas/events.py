@@ -11,7 +11,7 @@ newer than `SCHEMA_VERSION` is refused with a clear reason (dead-lettered), neve
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -50,7 +50,7 @@ def pack_token_ids(token_ids: list[int]) -> msgspec.Raw:
     return msgspec.Raw(_tokens_encoder.encode(token_ids)) if token_ids else EMPTY_TOKENS
 
 
-def token_ids_of(event: "PagesStored") -> list[int]:
+def token_ids_of(event: PagesStored) -> list[int]:
     """Decode a stored event's token ids (uint32 each, as SGLang hashes them); raises
     msgspec.DecodeError/ValidationError when they are not that (they are not checked when the
     message is decoded)."""
@@ -60,16 +60,16 @@ def token_ids_of(event: "PagesStored") -> list[int]:
 class PagesStored(msgspec.Struct, tag="stored", array_like=True):
     tier: Tier
     hashes: list[WireBlockHash]
-    parent: Union[WireBlockHash, None] = None
+    parent: WireBlockHash | None = None
     page_size: PageSize = 1
     #: Tokens of the stored pages when the engine sent them, kept for hash validation. Raw
     #: msgpack (an array of ints): applying state never needs them, so they are not decoded
     #: on the hot path; `token_ids_of()` decodes them when wanted.
     token_ids: msgspec.Raw = EMPTY_TOKENS
-    lora_id: Union[int, None] = None
+    lora_id: int | None = None
     #: Set when the engine namespaced these hashes (SGLang's cache salt or LoRA adapter name:
     #: "cache_salt", "lora:<name>"): the hash check then explains a mismatch by it.
-    namespace: Union[str, None] = None
+    namespace: str | None = None
 
 
 class PagesRemoved(msgspec.Struct, tag="removed", array_like=True):
@@ -81,7 +81,7 @@ class AllCleared(msgspec.Struct, tag="cleared", array_like=True):
     pass
 
 
-TierEvent = Union[PagesStored, PagesRemoved, AllCleared]
+TierEvent = PagesStored | PagesRemoved | AllCleared
 
 
 class EventBatch(msgspec.Struct, tag_field="kind", tag="batch", kw_only=True):
@@ -102,7 +102,7 @@ class EventBatch(msgspec.Struct, tag_field="kind", tag="batch", kw_only=True):
     #: that batch in the engine's replay buffer, which lets a restarted bridge prove continuity.
     source_ts_last: float = 0.0
     #: Set on the first batch of an epoch.
-    epoch_reason: Union[EpochReason, None] = None
+    epoch_reason: EpochReason | None = None
     #: On the first batch of an epoch: the epoch begins at the engine's first batch (engine
     #: seq 0, or an engine that had published nothing), so the stream holds its whole history.
     #: False otherwise: the state will lack what the engine held before (it is `partial`).
@@ -155,7 +155,7 @@ class WorkerExpired(msgspec.Struct, tag_field="kind", tag="expired", kw_only=Tru
         return f"expired:{subject_token(self.model)}:{self.worker_id}:{self.lease_expiry_ms}"
 
 
-StreamMessage = Union[EventBatch, WorkerAnnounce, WorkerExpired]
+StreamMessage = EventBatch | WorkerAnnounce | WorkerExpired
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StreamMessage)

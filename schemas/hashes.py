@@ -7,7 +7,8 @@ import array
 import hashlib
 import struct
 import sys
-from typing import Annotated, NewType, Sequence
+from collections.abc import Sequence
+from typing import Annotated, NewType
 
 import msgspec
 

@@ -14,11 +14,13 @@ recursion limit (about 1,000 levels: a 2 KB message), so every such decoder goes
 
 from __future__ import annotations
 
-from typing import Annotated, Callable, TypeVar
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+Data = TypeVar("Data")
 
 #: Model names and worker ids on the wire: never empty (an empty name has no subject token
 #: and no Redis key), at most 256 characters (the router's limit for model names).
@@ -34,7 +36,7 @@ MAX_SAFE_INT = (1 << 53) - 1
 MAX_TIMESTAMP_S = 1e11
 
 
-def guarded(decode: Callable[[bytes], T], data: bytes | str) -> T:
+def guarded(decode: Callable[[Data], T], data: Data) -> T:
     """`decode(data)`, with too-deep nesting reported as msgspec.DecodeError."""
     try:
         return decode(data)

@@ -4,8 +4,6 @@ GET /batch_query_keys?keys=k1,k2 -> {"success": true, "data": {"k1": {"ok": true
 
 from __future__ import annotations
 
-from typing import Optional
-
 import msgspec
 
 from .limits import guarded
@@ -13,13 +11,13 @@ from .limits import guarded
 
 class KeyStatus(msgspec.Struct, frozen=True):
     ok: bool = False
-    error: Optional[str] = None  # "OBJECT_NOT_FOUND" when absent; null when present
+    error: str | None = None  # "OBJECT_NOT_FOUND" when absent; null when present
 
 
 class BatchQueryReply(msgspec.Struct, frozen=True):
     success: bool = False
-    data: Optional[dict[str, KeyStatus]] = None
-    error: Optional[str] = None
+    data: dict[str, KeyStatus] | None = None
+    error: str | None = None
 
 
 _decoder = msgspec.json.Decoder(BatchQueryReply)

@@ -6,7 +6,7 @@ name is refused with msgspec's path-precise message (e.g. "at `$.token_ids[3]`")
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import msgspec
 
@@ -36,13 +36,13 @@ class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
 class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-request overrides of any weight; an unknown name is an error, not a silent no-op."""
 
-    overlap_score_credit: Optional[Weight] = None
-    host_cache_hit_weight: Optional[Weight] = None
-    disk_cache_hit_weight: Optional[Weight] = None
-    shared_cache_multiplier: Optional[Weight] = None
-    prefill_load_scale: Optional[Weight] = None
-    temperature: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]] = None
-    predicted_page_weight: Optional[Weight] = None
+    overlap_score_credit: Weight | None = None
+    host_cache_hit_weight: Weight | None = None
+    disk_cache_hit_weight: Weight | None = None
+    shared_cache_multiplier: Weight | None = None
+    prefill_load_scale: Weight | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None = None
+    predicted_page_weight: Weight | None = None
 
     def applied_to(self, weights: ScoringWeights) -> ScoringWeights:
         changes = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
@@ -52,8 +52,8 @@ class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     token_ids: list[TokenId]
-    request_id: Optional[RequestId] = None
-    overrides: Optional[RouteOverrides] = None
+    request_id: RequestId | None = None
+    overrides: RouteOverrides | None = None
     #: Expected output tokens, booked as decode pages with the prompt (0 = prompt only).
     max_new_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
     #: Book load on the chosen worker (False: a dry run that only scores).
@@ -141,7 +141,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GenerateSamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    max_new_tokens: Optional[Annotated[int, msgspec.Meta(ge=0, le=10_000_000)]] = None
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] | None = None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,8 +149,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     forwarded unchanged, so every other field reaches the worker as the client sent it."""
 
     input_ids: list[TokenId]
-    model: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]] = None
-    rid: Optional[RequestId] = None
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    rid: RequestId | None = None
     stream: bool = False
     sampling_params: GenerateSamplingParams = GenerateSamplingParams()
 

@@ -16,7 +16,7 @@ bridge (~150 MB of Python ints at worst).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 
@@ -41,34 +41,34 @@ MAX_LORA_NAME_CHARS = 1024
 
 #: A page's tokens: ints, or [a, b] pairs when the radix keys are bigrams (EAGLE speculative
 #: decoding, whose pages SGLang publishes as token pairs).
-TokenIds = Annotated[list[Union[int, list[int]]], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+TokenIds = Annotated[list[int | list[int]], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
 BlockHashes = Annotated[list[WireBlockHash], msgspec.Meta(max_length=MAX_PAGES_PER_EVENT)]
 
 
 class BlockStored(_MapEvent, tag="BlockStored"):
     block_hashes: BlockHashes
-    parent_block_hash: Union[WireBlockHash, None]
+    parent_block_hash: WireBlockHash | None
     token_ids: TokenIds
     block_size: int
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
+    lora_id: int | None = None
+    medium: str | None = None
     #: Since 0.5.23 (map encoding only): the request's cache salt and the LoRA adapter name.
     #: When either is set, SGLang namespaces the published hashes (sha256 of a seed and the
     #: plain hash), so they are opaque ids a router cannot compute from tokens alone.
-    cache_salt: Union[str, None] = None
-    lora_name: Union[Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)], None] = None
+    cache_salt: str | None = None
+    lora_name: Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)] | None = None
 
 
 class BlockRemoved(_MapEvent, tag="BlockRemoved"):
     block_hashes: BlockHashes
-    medium: Union[str, None] = None
+    medium: str | None = None
 
 
 class AllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
     pass
 
 
-SglangEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+SglangEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 # --- array encoding (<= 0.5.19): ["BlockStored", hashes, parent, tokens, size, lora, medium]
@@ -80,23 +80,23 @@ class _ArrayEvent(msgspec.Struct, tag_field="type", array_like=True):
 
 class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
     block_hashes: BlockHashes
-    parent_block_hash: Union[WireBlockHash, None]
+    parent_block_hash: WireBlockHash | None
     token_ids: TokenIds
     block_size: int
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
+    lora_id: int | None = None
+    medium: str | None = None
 
 
 class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
     block_hashes: BlockHashes
-    medium: Union[str, None] = None
+    medium: str | None = None
 
 
 class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
-_ArrayEventUnion = Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
+_ArrayEventUnion = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
 _AS_MAP = {_ArrayBlockStored: BlockStored, _ArrayBlockRemoved: BlockRemoved,
            _ArrayAllBlocksCleared: AllBlocksCleared}
 _AS_ARRAY = {v: k for k, v in _AS_MAP.items()}
@@ -112,12 +112,12 @@ def _relayout(event, table):
 class SglangBatch(msgspec.Struct, array_like=True):
     ts: float
     events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
-    attn_dp_rank: Union[int, None] = None
+    attn_dp_rank: int | None = None
 
 
 class DecodedBatch(msgspec.Struct):
     ts: float
-    attn_dp_rank: Union[int, None]
+    attn_dp_rank: int | None
     events: list[SglangEvent]
     #: (index in the batch, raw msgpack of the event, reason) for events that did not decode.
     rejected: list[tuple[int, bytes, str]]

@@ -15,7 +15,7 @@ ignored, so newer SGLang versions keep decoding. Shapes as of SGLang 0.5.23:
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -43,7 +43,7 @@ class KvEventsDescriptor(msgspec.Struct, kw_only=True):
     dp_size: Annotated[int, msgspec.Meta(le=1024)] = 1
     #: ROUTER replay socket of rank r: replay_endpoint_port_base + r (same host rule). Absent
     #: when the worker has no tcp replay endpoint, and in versions before it was advertised.
-    replay_endpoint_port_base: Union[Port, None] = None
+    replay_endpoint_port_base: Port | None = None
 
 
 class KvEventsConfig(msgspec.Struct, kw_only=True):
@@ -52,7 +52,7 @@ class KvEventsConfig(msgspec.Struct, kw_only=True):
 
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
-    replay_endpoint: Union[str, None] = None
+    replay_endpoint: str | None = None
     topic: str = ""
     #: "default" (SGLang's hashes) or "dynamo" (hashes namespaced by extra_key/cache_salt).
     format: str = "default"
@@ -62,18 +62,18 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     """`GET /server_info` (only the fields kvtier uses)."""
 
     #: UNSET: the server predates the descriptor; None: KV events are not published.
-    kv_events: Union[KvEventsDescriptor, None, msgspec.UnsetType] = msgspec.UNSET
-    kv_events_config: Union[str, None] = None
+    kv_events: KvEventsDescriptor | None | msgspec.UnsetType = msgspec.UNSET
+    kv_events_config: str | None = None
     tp_size: Size = 1
     pp_size: Size = 1
     dp_size: Size = 1
     dcp_size: Annotated[int, msgspec.Meta(le=1024)] = 1
-    page_size: Union[int, None] = None
+    page_size: int | None = None
     enable_hierarchical_cache: bool = False
-    hicache_storage_backend: Union[str, None] = None
-    hicache_write_policy: Union[str, None] = None
-    model_path: Union[str, None] = None
-    served_model_name: Union[str, None] = None
+    hicache_storage_backend: str | None = None
+    hicache_write_policy: str | None = None
+    model_path: str | None = None
+    served_model_name: str | None = None
     version: str = ""
 
 
@@ -84,15 +84,15 @@ class L3Pool(msgspec.Struct, kw_only=True):
     suffixes: list[str] = msgspec.field(default_factory=list)
     #: "all_pages" (every page needs these objects) or "trailing_pages".
     hit_policy: str = "all_pages"
-    trailing_pages: Union[int, None] = None
+    trailing_pages: int | None = None
 
 
 class L3ObjectLayout(msgspec.Struct, kw_only=True):
     pools: list[L3Pool] = msgspec.field(default_factory=list)
     #: Joined to every key with "_" (SGLang's Mooncake config prefix); None: no prefix.
-    key_prefix: Union[str, None] = None
-    is_mla_backend: Union[bool, None] = None
-    pp_rank: Union[int, None] = None
+    key_prefix: str | None = None
+    is_mla_backend: bool | None = None
+    pp_rank: int | None = None
     pp_size: int = 1
 
 
@@ -100,11 +100,11 @@ class L3CacheLayout(msgspec.Struct, kw_only=True):
     """`GET /get_hicache_l3_cache_layout`."""
 
     enabled: bool
-    backend: Union[str, None] = None
-    page_size: Union[int, None] = None
+    backend: str | None = None
+    page_size: int | None = None
     hicache_object_layout: L3ObjectLayout = msgspec.field(default_factory=L3ObjectLayout)
     #: Why the layout is not usable (enabled false).
-    reason: Union[str, None] = None
+    reason: str | None = None
 
 
 _server_info = msgspec.json.Decoder(ServerInfo)

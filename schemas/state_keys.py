@@ -95,7 +95,7 @@ class ModelKeys:
     root: str = DEFAULT_ROOT
 
     @classmethod
-    def for_model(cls, model: str, root: str = DEFAULT_ROOT) -> "ModelKeys":
+    def for_model(cls, model: str, root: str = DEFAULT_ROOT) -> ModelKeys:
         return cls(subject_token(model), root)
 
     @property

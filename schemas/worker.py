@@ -4,7 +4,7 @@ the shared Mooncake pool. Announced by the bridge, stored by the processor."""
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -58,7 +58,7 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     page_size: PositiveInt
     tp_size: ParallelSize = 1
     pp_size: ParallelSize = 1
-    mooncake: Union[MooncakeLayout, None] = None
+    mooncake: MooncakeLayout | None = None
     kv_events_endpoint: str = ""
     #: The engine's HTTP base URL (e.g. http://10.0.0.5:30000), where a proxying router sends
     #: the requests it routes to this worker.
@@ -67,7 +67,7 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     #: Whether the engine runs HiCache (a host-RAM tier, SGLang --enable-hierarchical-cache);
     #: None when the bridge was not told. With HiCache on, host stores must appear in the
     #: events (`kvtier doctor` checks it), and the write policy says when.
-    hicache_enabled: Union[bool, None] = None
+    hicache_enabled: bool | None = None
     hicache_write_policy: str = ""
     engine: str = "sglang"
     engine_version: str = ""

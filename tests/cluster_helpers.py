@@ -98,7 +98,7 @@ class NatsCluster:
                     return node.server_name
         raise LookupError(f"no node has a client named {client_name!r}")
 
-    def start(self, timeout: float = 30.0) -> "NatsCluster":
+    def start(self, timeout: float = 30.0) -> NatsCluster:
         try:
             for node in self.nodes:
                 os.makedirs(node.workdir, exist_ok=True)
@@ -120,7 +120,7 @@ class NatsCluster:
                 node.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "NatsCluster":
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -163,7 +163,7 @@ class RedisCluster:
     def url(self) -> str:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
-    def start(self, timeout: float = 30.0) -> "RedisCluster":
+    def start(self, timeout: float = 30.0) -> RedisCluster:
         try:
             for node in self.nodes:
                 os.makedirs(node.workdir, exist_ok=True)
@@ -218,7 +218,7 @@ class RedisCluster:
                 node.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "RedisCluster":
+    def __enter__(self) -> RedisCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -9,12 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import redis
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
-from kvtier.producers.synthetic import HiCacheWorkload, ReferenceModel  # noqa: F401 - re-exported for tests
+from kvtier.producers.synthetic import HiCacheWorkload, ReferenceModel  # re-exported for tests
 from kvtier.schemas.sglang import SglangEvent
 
 
@@ -72,7 +72,7 @@ class KvtierProcess:
             except subprocess.TimeoutExpired:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
-                raise AssertionError(f"{self.args} ignored SIGTERM for {timeout}s:\n{self.output()[-3000:]}")
+                raise AssertionError(f"{self.args} ignored SIGTERM for {timeout}s:\n{self.output()[-3000:]}") from None
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -81,7 +81,7 @@ class KvtierProcess:
             self.proc.wait(5)
 
 
-def stop_all(*processes: "KvtierProcess") -> list[int]:
+def stop_all(*processes: KvtierProcess) -> list[int]:
     """Stop every process (SIGTERM, SIGKILL after a grace period) before reporting any that
     ignored SIGTERM, so one stuck process never leaves the others running."""
     codes, errors = [], []
@@ -224,7 +224,7 @@ class RunningPipeline:
     def state(self, client: redis.Redis | None = None) -> dict[str, str]:
         return read_worker_state(client or self.client, self.model, self.worker)
 
-    def __enter__(self) -> "RunningPipeline":
+    def __enter__(self) -> RunningPipeline:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -236,8 +236,8 @@ class AnalyticsProcess(KvtierProcess):
 async def publish_decisions(nats_url: str, decisions: list[RouteDecision]) -> None:
     import msgspec
     import nats
-    from kvtier.schemas.subjects import decisions_subject
 
+    from kvtier.schemas.subjects import decisions_subject
     from kvtier.streams import ensure_decisions_stream
 
     nc = await nats.connect(nats_url)
@@ -323,8 +323,8 @@ def test_analytics_end_to_end_and_restart_without_double_counting(nats_server):
 def test_analytics_expires_workers_whose_lease_ran_out(nats_server):
     async def publish():
         import nats
-        from kvtier.schemas.subjects import events_subject
 
+        from kvtier.schemas.subjects import events_subject
         from kvtier.streams import StreamSettings, ensure_streams
 
         nc = await nats.connect(nats_server.url)

@@ -60,7 +60,8 @@ def test_new_epoch_clears_the_old_state_atomically_with_its_first_batch(redis_cl
     r = writer.apply(kvtier_batch(M, "w", 2, 1, [store([3])], reason="publisher_restart"))
     assert r.status == ApplyStatus.APPLIED
     assert read_worker_pages(redis_client, M, "w") == {3: {Tier.DEVICE}}
-    assert read_page_holders(redis_client, M, ["w", "other"], [1])[0] == {"other": 1}  # another worker's copy is untouched
+    # another worker's copy is untouched
+    assert read_page_holders(redis_client, M, ["w", "other"], [1])[0] == {"other": 1}
     assert read_worker_state(redis_client, M, "w")["last_epoch_reason"] == "publisher_restart"
 
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-yaml = pytest.importorskip("yaml", reason="PyYAML reads docker-compose.yml: pip install pyyaml")
-
 from kvtier.cli import _env_name, build_parser
+
+yaml = pytest.importorskip("yaml", reason="PyYAML reads docker-compose.yml: pip install pyyaml")
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -624,7 +624,8 @@ def check_workers(c: Compose) -> list[str]:
                 or points_at(b.args.endpoint, worker.name) is not None]
         if len(mine) != 1:
             errors.append(f"{worker.name}: has {len(mine)} bridges: {[b.name for b in mine]}")
-        served = _long_flag(worker.argv, ("--served-model-name",)) or _long_flag(worker.argv, ("--model-path", "--model"))
+        served = (_long_flag(worker.argv, ("--served-model-name",))
+                  or _long_flag(worker.argv, ("--model-path", "--model")))
         for bridge in mine:
             if bridge.args.model and bridge.args.model != served:
                 errors.append(f"{bridge.name}: announces model {bridge.args.model!r} but {worker.name} serves "
@@ -674,7 +675,8 @@ def check_dockerfile(dockerfile: str, dockerignore: str) -> list[str]:
     none of it is excluded from the build context, it runs as a non-root user, and its
     entrypoint is `kvtier`."""
     project = _pyproject()
-    needed = set(project["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", project["project"]["readme"]}
+    needed = (set(project["tool"]["setuptools"]["package-dir"].values())
+              | {"pyproject.toml", project["project"]["readme"]})
     build_stage = dockerfile.split("\nFROM ")[1] if "\nFROM " in dockerfile else dockerfile
     copied = {word.rstrip("/") for line in build_stage.splitlines() if line.startswith("COPY ")
               and "--from" not in line for word in line.split()[1:-1]}
@@ -707,7 +709,8 @@ def test_every_kvtier_service_is_checked(files):
     c = read_compose(*files)
     commands = {s.name: s.command for s in c.of("kvtier")}
     assert sorted(commands.values()) == sorted(
-        ["analytics", "processor", "processor", "router", "router", "sim-worker", "bridge", "bridge", "bridge"]), commands
+        ["analytics", "processor", "processor", "router", "router", "sim-worker", "bridge", "bridge", "bridge"]
+    ), commands
     assert not [s.name for s in c.services.values() if s.kind == "other"]
 
 
@@ -796,7 +799,8 @@ BROKEN = {
     "processor metrics port not scraped": (_both(_set(ENV.format("processor-2", "KVTIER_METRICS_PORT"), "9200"),
                                                  _set("c|services|processor-2|healthcheck", {"disable": True})),
                                            "processor processor-2 is not scraped at processor-2:9200"),
-    "processor without metrics": (_set(ENV.format("processor-1", "KVTIER_METRICS_PORT"), "0"), "without --metrics-port"),
+    "processor without metrics": (_set(ENV.format("processor-1", "KVTIER_METRICS_PORT"), "0"),
+                                  "without --metrics-port"),
     "router target missing": (_set("p|scrape_configs|0|static_configs|0|targets", ["router-1:8000"]),
                               "router router-2 is not scraped"),
     "analytics not scraped": (_set("p|scrape_configs|3|static_configs|0|targets", []),
@@ -808,7 +812,8 @@ BROKEN = {
     "undeclared volume": (_set("c|volumes|redis-data", None), "volume redis-data is not declared"),
     "declared volume unused": (_set("c|volumes|spare", {}), "volume spare is declared"),
     "JetStream store off the volume": (_set("c|services|nats|volumes", ["nats-data:/srv"]), "store directory"),
-    "JetStream off": (_set("c|services|nats|command", ["-sd", "/data", "-p", "4222", "-m", "8222"]), "JetStream is off"),
+    "JetStream off": (_set("c|services|nats|command", ["-sd", "/data", "-p", "4222", "-m", "8222"]),
+                      "JetStream is off"),
     "Redis without AOF": (_set("c|services|redis|command", ["redis-server", "--port", "6379"]), "appendonly"),
     # profiles
     "GPU service in the default profile": (_set("c|services|sglang|profiles", None), "not [gpu]"),
@@ -877,7 +882,8 @@ def test_deploy_doc_flag_tables_match_the_parser():
 
 @pytest.mark.parametrize("edit", [
     lambda doc: "\n".join(line for line in doc.splitlines() if not line.startswith("| `--gap-timeout`")),
-    lambda doc: doc.replace("| `--stream-replicas` | `KVTIER_STREAM_REPLICAS` | `1` |", "| `--stream-replicas` | `KVTIER_STREAM_REPLICAS` | `3` |"),
+    lambda doc: doc.replace("| `--stream-replicas` | `KVTIER_STREAM_REPLICAS` | `1` |",
+                            "| `--stream-replicas` | `KVTIER_STREAM_REPLICAS` | `3` |"),
     lambda doc: doc.replace("<!-- END flag tables -->", ""),
 ])
 def test_flag_table_check_catches_drift(edit):

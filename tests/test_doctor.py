@@ -17,13 +17,13 @@ import time
 
 import pytest
 import redis
+
+from kvtier import doctor as doc
+from kvtier.embedded import NatsServer, RedisServer, ServerStartError, free_port
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
-
-from kvtier import doctor as doc
-from kvtier.embedded import NatsServer, RedisServer, ServerStartError, free_port
 
 from .helpers import (
     bridge_process,
@@ -88,7 +88,8 @@ def test_events_in_the_stream_but_not_in_redis_blame_the_processor():
 def test_router_page_size_from_healthz_is_compared_and_its_absence_said():
     workers = _redis(_worker(worker="a"), _worker(worker="b"))
     says_8 = doc.RouterView(url="http://r1", reachable=True, http_status=200, healthz={"status": "ok", "page_size": 8})
-    trusts = doc.RouterView(url="http://r2", reachable=True, http_status=200, healthz={"status": "ok", "page_size": None})
+    trusts = doc.RouterView(url="http://r2", reachable=True, http_status=200,
+                            healthz={"status": "ok", "page_size": None})
     silent = doc.RouterView(url="http://r3", reachable=True, http_status=200, healthz={"status": "ok"})
     finding = _one(doc.check_page_sizes(workers, [says_8]), "page_size", doc.Status.FAIL)
     assert "--page-size 8" in finding.finding and "--page-size 4" in finding.fix
@@ -111,7 +112,8 @@ def test_gpu_only_worker_is_judged_only_when_hicache_is_expected():
     hicache = _worker(tiers_seen=1, meta=meta, hicache=True)
     assert _one(doc.check_tiers(_redis(hicache)), "tiers").status == doc.Status.FAIL
     assert _one(doc.check_tiers(_redis(_worker(tiers_seen=1))), "tiers").status == doc.Status.OK
-    assert _one(doc.check_tiers(_redis(_worker(tiers_seen=3, meta=meta, hicache=True))), "tiers").status == doc.Status.OK
+    assert (_one(doc.check_tiers(_redis(_worker(tiers_seen=3, meta=meta, hicache=True))), "tiers").status
+            == doc.Status.OK)
     # the same worker beside one that reports host pages: a mixed fleet
     mixed = doc.check_tiers(_redis(_worker(tiers_seen=1), _worker(worker="w1", tiers_seen=3)))
     assert _one(mixed, "tiers", doc.Status.WARN).subject == "m/w0"

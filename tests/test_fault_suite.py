@@ -39,7 +39,8 @@ def test_fault_suite_every_kind_ends_exact(tmp_path):
     # the long faults (processors and NATS down for twice the lease) expire and rebase nobody
     assert (result["expired_live_workers"], result["rebases"]) == (0, 0), "\n".join(said)
     if result["divergences"]:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(tmp_path.glob("*.log")))
         raise AssertionError(f"{result['divergences']} divergences\n" + "\n".join(said) + "\n"
                              + json.dumps(result["comparison"])[:4000] + "\n" + logs)
     assert time.monotonic() - started < 200

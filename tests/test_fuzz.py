@@ -237,7 +237,8 @@ def test_stored_tokens_that_are_not_token_ids_are_unverifiable_not_an_error():
     validator = HashValidator(budget_pages_per_s=None)
     for tokens in ({"x": 1}, [1 << 40], [-1], [[1, 2]], "abc"):
         batch = EventBatch(worker_id="w", model="m", epoch=1, seq=1, ts=1.0, source_ts=1.0, events=[
-            PagesStored(tier=Tier.DEVICE, hashes=[7], page_size=1, token_ids=msgspec.Raw(msgspec.msgpack.encode(tokens)))])
+            PagesStored(tier=Tier.DEVICE, hashes=[7], page_size=1,
+                        token_ids=msgspec.Raw(msgspec.msgpack.encode(tokens)))])
         outcome = validator.check_batch(decode_message(encode_message(batch)), None, None)
         assert outcome.unverifiable == 1 and not outcome.mismatched
 
@@ -417,7 +418,7 @@ def test_processor_dead_letters_a_subject_that_is_not_utf8(processor_stack):
     """Before: nats-py decodes subjects strictly in its read loop; one message stored on
     `kvtier.events.m\\xff.w` broke the processor's connection at every delivery, so no later
     message of any worker was ever applied."""
-    items = [(("fz-proc".encode() + b"\xff", b"w"), b"anything", True)]
+    items = [((b"fz-proc" + b"\xff", b"w"), b"anything", True)]
     good = [[PagesStored(tier=Tier.HOST, hashes=[1, 2])]]
     assert processor_stack.run(items, good) == 1
     assert processor_stack.state() == {1: {Tier.HOST}, 2: {Tier.HOST}}

@@ -142,7 +142,8 @@ def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, re
     router = RouterProcess(redis_server.url)
     try:
         for worker in ("good", "bad"):
-            wait_until(lambda: worker_announced(redis_client, MODEL, worker), timeout=30,
+            # wait_until calls the lambda in this iteration, before the loop variable moves on
+            wait_until(lambda: worker_announced(redis_client, MODEL, worker), timeout=30,  # noqa: B023
                        what=lambda: processor.output()[-2000:])
         tokens = list(range(500, 564))  # 16 pages
         chain = sglang_block_hashes(tokens, PAGE)

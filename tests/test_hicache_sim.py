@@ -9,7 +9,13 @@ import pytest
 
 from kvtier.producers.cost_model import CostModel
 from kvtier.producers.hicache_sim import (
-    GPU, HOST, WRITE_POLICIES, HiCacheSim, InMemorySharedPool, SimConfig, _NONE,
+    _NONE,
+    GPU,
+    HOST,
+    WRITE_POLICIES,
+    HiCacheSim,
+    InMemorySharedPool,
+    SimConfig,
 )
 from kvtier.producers.synthetic import ReferenceModel
 from kvtier.schemas.hashes import block_hash_of_digest, sglang_block_hashes, sglang_page_digests
@@ -117,8 +123,8 @@ def cost(prefill_s_per_token=0.0001, load_back_s_per_page=0.00005, l3_s_per_page
         return 1 / per_unit if per_unit else float("inf")
 
     return CostModel(kv_bytes_per_token=kv, prefill_tokens_per_s=rate(prefill_s_per_token),
-                     host_to_device_gb_s=page_gb * rate(load_back_s_per_page), l3_read_gb_s=page_gb * rate(l3_s_per_page),
-                     weight_bytes=0.0, hbm_gb_s=1e9)
+                     host_to_device_gb_s=page_gb * rate(load_back_s_per_page),
+                     l3_read_gb_s=page_gb * rate(l3_s_per_page), weight_bytes=0.0, hbm_gb_s=1e9)
 
 
 def make(policy=WT, prefill_s_per_token=0.0001, load_back_s_per_page=0.00005, **kw):
@@ -190,7 +196,8 @@ def test_load_back_on_host_hit(policy):
     head = [("S", HOST, [b0, b1])] if policy == WT else [("S", HOST, [a0, a1])]
     assert events == head + [("R", GPU, [b1, b0]), ("S", GPU, [a0, a1])]
     assert h.log[-1].parent_block_hash is None and h.log[-1].token_ids == A[:8]
-    assert (result.device_hit_pages, result.host_hit_pages, result.recomputed_pages, result.recomputed_tokens) == (0, 2, 0, 2)
+    assert (result.device_hit_pages, result.host_hit_pages, result.recomputed_pages,
+            result.recomputed_tokens) == (0, 2, 0, 2)
     assert result.ttft_s == pytest.approx(2 * 0.0001 + 2 * 0.001)
     assert h.sim.tiers()[a0] == {Tier.DEVICE, Tier.HOST}  # load back keeps the host copy
     if policy == WB:
@@ -350,7 +357,8 @@ def test_l3_prefetch_across_two_sims():
     result, events = wb.serve(X, 1.0)
     assert events == [("S", HOST, [x1, x2]), ("S", GPU, [x1, x2])]  # host store before device store
     assert wb.log[-1].parent_block_hash == x0 and wb.log[-2].parent_block_hash == x0
-    assert (result.device_hit_pages, result.host_hit_pages, result.l3_hit_pages, result.recomputed_pages) == (1, 0, 2, 0)
+    assert (result.device_hit_pages, result.host_hit_pages, result.l3_hit_pages,
+            result.recomputed_pages) == (1, 0, 2, 0)
     assert result.ttft_s == pytest.approx(2 * (0.0005 + 0.0001) + 2 * 0.001)
     assert wb.sim.tiers()[x2] == {Tier.DEVICE, Tier.HOST}
     assert wb.advance(2.0) == []  # already on host: nothing to copy

@@ -13,10 +13,6 @@ import sys
 import tempfile
 
 import pytest
-from kvtier.producers.cost_model import CostModel
-from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
-from kvtier.producers.sim_cluster import ClusterShape
-from kvtier.schemas.routing import ScoringWeights, TierOverlap
 
 from kvtier.bench.bounds import infinite_cache, pooled_lru
 from kvtier.bench.lockstep import percentile, reason_for, run_lockstep
@@ -36,6 +32,10 @@ from kvtier.bench.trace import (
     load_trace,
     prepare,
 )
+from kvtier.producers.cost_model import CostModel
+from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
+from kvtier.producers.sim_cluster import ClusterShape
+from kvtier.schemas.routing import ScoringWeights, TierOverlap
 
 
 def prepared(pages: list[list[bytes]], tokens_per_page: int = 4) -> list[PreparedRequest]:

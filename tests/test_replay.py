@@ -200,7 +200,7 @@ def test_replay_at_past_points_equals_live_snapshots(nats_server, redis_server, 
             time.sleep(0.05)  # keep later messages strictly after `moment`
     assert len({len(s[2][(TOKEN, "w0")][3]) for s in snapshots}) > 1, "the phases should differ"
 
-    for seq, moment, live in snapshots:
+    for seq, _moment, live in snapshots:
         replayed, report = rebuild_at(nats_server.url, redis_server.url, at_seq=seq)
         assert replayed == live, f"replay at seq {seq} differs from the live snapshot"
         assert report.last_seq <= seq and report.bound_seq == seq
@@ -362,7 +362,8 @@ def test_explain_reproduces_a_real_routers_decision_and_flags_differences(nats_s
                 assert t["decode_blocks"] == c["decode_load"]
             assert [c["worker_id"] for c in out["candidates"] if c["winner"]] == [body["worker_id"]]
             assert "reproduced" in text and "* " + body["worker_id"] in text
-        assert first["worker_id"] == "a" and {c["worker_id"]: c["overlap"]["disk"] for c in first["candidates"]}["b"] == 6
+        assert (first["worker_id"] == "a"
+                and {c["worker_id"]: c["overlap"]["disk"] for c in first["candidates"]}["b"] == 6)
         # req-2 saw req-1's booking on a: its recorded load is in the terms
         loaded = {c["worker_id"]: c for c in explain(nats_server.url, redis_server.url, "req-2")[1]["candidates"]}
         assert loaded["a"]["decode_load"] > 0 and loaded["a"]["terms"]["decode_blocks"] == loaded["a"]["decode_load"]

@@ -94,7 +94,8 @@ def test_booking_shows_up_in_every_replica_and_releases(redis_client, redis_serv
     seeder = StateSeeder(redis_client, MODEL)
     seeder.worker("a", 4, tokens, device=8)
     seeder.worker("b", 4)
-    first, second = RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE), RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE)
+    first, second = (RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE),
+                     RouterProcess(redis_server.url, *GUIDE_LOAD_SCALE))
     try:
         status, body, _ = first.route(MODEL, tokens, request_id="req-1", max_new_tokens=8)
         assert status == 200 and body["worker_id"] == "a", body

@@ -242,8 +242,9 @@ def test_wrong_credentials_fail_clearly_without_the_secret(secured):
     }
     try:
         for what, (process, expected) in services.items():
-            wait_until(lambda: expected in process.output(), timeout=30,
-                       what=lambda: f"{what}: {expected!r} in\n{process.output()[-2000:]}")
+            # wait_until calls the lambdas in this iteration, before the loop variables move on
+            wait_until(lambda: expected in process.output(), timeout=30,  # noqa: B023
+                       what=lambda: f"{what}: {expected!r} in\n{process.output()[-2000:]}")  # noqa: B023
             assert "retrying in" in process.output() and process.alive(), process.output()[-2000:]
     finally:
         codes = stop_all(*(p for p, _ in services.values()))

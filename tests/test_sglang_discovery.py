@@ -359,7 +359,8 @@ def test_conflicting_flags_name_both_values(sgl):
     with pytest.raises(DiscoveryError, match="--hicache-storage-backend 'none' but SGLang's hicache_storage_backend"):
         discover("http://h:1", *replies, WorkerFlags(hicache_storage_backend="none"))
     settings = discover("http://h:1", *replies, WorkerFlags(page_size=64, dp_size=2, mooncake_attention="mla",
-                                                            mooncake_key_prefix=PREFIX, hicache_storage_backend="mooncake"))
+                                                            mooncake_key_prefix=PREFIX,
+                                                            hicache_storage_backend="mooncake"))
     assert settings.page_size == 64 and settings.mooncake.attention == AttentionKind.MLA
 
 
@@ -384,7 +385,8 @@ def test_an_older_server_without_the_descriptor(sgl):
         settings = discover(server.url, served, layout, WorkerFlags())
         assert (settings.endpoint, settings.replay_endpoint, settings.topic) == (
             "tcp://127.0.0.1:5600", "tcp://127.0.0.1:5700", "t")
-        assert (settings.page_size, settings.dp_size, settings.mooncake, settings.engine_version) == (32, 2, None, "0.4.6")
+        assert (settings.page_size, settings.dp_size, settings.mooncake,
+                settings.engine_version) == (32, 2, None, "0.4.6")
         assert any("/get_hicache_l3_cache_layout" in note for note in settings.notes)
         settings = discover(server.url, served, layout, WorkerFlags(hicache_storage_backend="mooncake",
                                                                     mooncake_attention="mla"))
@@ -470,7 +472,8 @@ def test_bridge_announces_what_sglang_reports(sgl, nats_server, redis_server, re
                 wait_until(lambda w=worker: worker_announced(redis_client, MODEL, w), timeout=30,
                            what=lambda: "announced\n" + "\n".join(p.output()[-1500:] for p in processes))
             assert {"/server_info", "/get_hicache_l3_cache_layout"} <= set(server.requests)
-            layout = MooncakeLayout(attention=AttentionKind.MLA, tp_size=2, pp_size=1, key_prefix=PREFIX) if mla else None
+            layout = (MooncakeLayout(attention=AttentionKind.MLA, tp_size=2, pp_size=1, key_prefix=PREFIX) if mla
+                      else None)
             for rank, worker in enumerate(workers):
                 meta = msgspec.json.decode(redis_client.get(keys.meta(worker)), type=WorkerMetadata)
                 assert (meta.page_size, meta.dp_size, meta.dp_rank, meta.tp_size, meta.engine_worker_id) == (

@@ -298,8 +298,8 @@ def test_dp_ranks_each_publish_on_base_plus_rank(kv, nats_server, redis_server, 
     processor = processor_process(nats_server.url, redis_server.url)
     bridge = KvtierProcess("bridge", "--endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint",
                            f"tcp://127.0.0.1:{base + 2}", "--worker-id", "engine7", "--model", MODEL,
-                           "--page-size", str(PAGE), "--nats", nats_server.url, "--dp-size", "2", "--topic", "kv-events",
-                           "--heartbeat", "0.5")
+                           "--page-size", str(PAGE), "--nats", nats_server.url, "--dp-size", "2",
+                           "--topic", "kv-events", "--heartbeat", "0.5")
     router = None
     try:
         for r in range(2):

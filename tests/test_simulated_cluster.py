@@ -65,9 +65,10 @@ def test_redis_reproduces_the_simulators_own_view(policy, nats_server, redis_ser
         for rank in range(ranks):
             expected = tiers_of(url, rank)
             assert expected and any("host" in t for t in expected.values())
-            wait_until(lambda: redis_view(redis_client, f"sim-dp{rank}") == expected, timeout=30,
-                       what=lambda: f"rank {rank}: Redis {len(redis_view(redis_client, f'sim-dp{rank}'))} pages, "
-                                    f"sim {len(expected)}")
+            # wait_until calls the lambdas in this iteration, before the loop variables move on
+            wait_until(lambda: redis_view(redis_client, f"sim-dp{rank}") == expected, timeout=30,  # noqa: B023
+                       what=lambda: f"rank {rank}: Redis {len(redis_view(redis_client, f'sim-dp{rank}'))} pages, "  # noqa: B023
+                                    f"sim {len(expected)}")  # noqa: B023
     finally:
         stop_all(bridge, processor, sim)
 
@@ -143,7 +144,7 @@ def test_the_realtime_replay_reports_how_far_the_machine_fell_behind(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["mode"] == "realtime" and set(report["policies"]) == {"round_robin", "tier_aware"}
-    for name, summary in report["policies"].items():
+    for _name, summary in report["policies"].items():
         assert summary["requests"] == 40 and summary["ttft_p50_ms"] > 0
         assert 0 <= summary["out_of_order_requests"] <= 40
         assert 0 <= summary["reached_worker_late_p50_s"] <= summary["reached_worker_late_p99_s"]

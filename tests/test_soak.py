@@ -38,7 +38,8 @@ def _series(leak: bool = False):
         wobble = (i % 3) * 0.2
         growth = 1 + 0.3 * t / 600 if leak else 1.0
         s = {
-            "t": t, "phase": phase, "entries": entries, "entries_n1": entries // 5, "entries_n2": entries - entries // 5,
+            "t": t, "phase": phase, "entries": entries, "entries_n1": entries // 5,
+            "entries_n2": entries - entries // 5,
             "dead_entries": dead if t >= kill_t else 0,
             # a leaking Redis keeps what it ever held: memory follows the peak, not the pages
             "redis_mem": BASE + 40_000 + PER_ENTRY * (peak if leak else entries) + (i % 4) * 1000,

@@ -25,7 +25,8 @@ def dynamo_apply_rate(payloads: list[tuple[str, int, bytes, int]]) -> dict[str, 
     try:
         from dynamo.llm import RadixTree
     except ImportError:
-        raise DynamoMissing("the Dynamo side-by-side needs ai-dynamo-runtime: pip install -e '.[bench-dynamo]'") from None
+        raise DynamoMissing(
+            "the Dynamo side-by-side needs ai-dynamo-runtime: pip install -e '.[bench-dynamo]'") from None
     worker_ids: dict[str, int] = {}
     events: list[tuple[int, bytes]] = []
     transitions = 0

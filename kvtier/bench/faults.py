@@ -118,7 +118,7 @@ class Engine:
                     self.publisher = SglangEventPublisher(self.endpoint, self.replay_endpoint,
                                                           buffer_size=self.buffer_size)
                     break
-                except Exception:  # noqa: BLE001 - the old sockets may take a moment to let the ports go
+                except Exception:  # the old sockets may take a moment to let the ports go
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.05)
@@ -508,7 +508,8 @@ def compare(cluster: Cluster) -> dict:
     finally:
         scratch.drop()
     diffs = diff_states(live, replayed)
-    replay_pages = sum(len((live[k].members if k in live else set()) | (replayed[k].members if k in replayed else set()))
+    replay_pages = sum(len((live[k].members if k in live else set())
+                           | (replayed[k].members if k in replayed else set()))
                        for k in set(live) | set(replayed))
     token = subject_token(MODEL)
     engine_pages = engine_diverging = 0
@@ -649,7 +650,8 @@ def print_report(result: dict, say=print) -> None:
         f"{c['pages_vs_engines']} with the engines' own views: {c['diverging_vs_engines']} diverge")
     for w in c["workers"]:
         say(f"  {w['worker']}: {w['page_tiers']} page-tiers, epoch:seq {w['position']}"
-            + (" STALE" if w["stale"] else "") + (f", {w['vs_engine']} differ from its engine" if w["vs_engine"] else ""))
+            + (" STALE" if w["stale"] else "")
+            + (f", {w['vs_engine']} differ from its engine" if w["vs_engine"] else ""))
     for d in c["diffs"]:
         say(f"  diverging {d['model']}/{d['worker']}: live {d['live']} replay {d['replay']}, {d['pages']} pages")
     say(f"divergences: {result['divergences']}; live workers expired: {result['expired_live_workers']}; "

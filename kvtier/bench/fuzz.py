@@ -28,9 +28,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -118,7 +119,8 @@ settings.register_profile("ci", max_examples=60, deadline=timedelta(seconds=3), 
                           suppress_health_check=_SLOW_OK, print_blob=True)
 #: The bench: seeded by --seed, sized by --cases.
 settings.register_profile("bench", max_examples=1000, deadline=timedelta(seconds=10), database=None,
-                          suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate, Phase.shrink))
+                          suppress_health_check=list(HealthCheck),
+                          phases=(Phase.explicit, Phase.generate, Phase.shrink))
 
 
 def profile(name: str | None = None) -> settings:
@@ -186,7 +188,7 @@ def _scalars(json_safe: bool) -> st.SearchStrategy:
     return base | raws if json_safe else base | st.binary(max_size=12) | raws
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def values(json_safe: bool = False) -> st.SearchStrategy:
     """Arbitrary values of the format: scalars, raw oddities, nested lists and maps."""
     scalar = _scalars(json_safe)
@@ -346,7 +348,7 @@ def amplified(check: Callable[[bytes], bool], k: int) -> Callable[[bytes], tuple
                 accepted += int(check(mutant))
             except Violation as exc:
                 raise Violation(f"{exc} (mutant {mutant[:400]!r} of {data[:400]!r})") from None
-            except Exception as exc:  # noqa: BLE001 - any other exception is the finding
+            except Exception as exc:  # any other exception is the finding
                 raise Violation(f"{type(exc).__name__}: {exc} on mutant {mutant[:400]!r} of {data[:400]!r}") from exc
         return k + 1, accepted
     return run
@@ -912,9 +914,9 @@ class TargetResult:
 
     def as_dict(self) -> dict:
         rate = self.cases / self.seconds if self.seconds else 0.0
-        return {"cases": self.cases, "examples": self.examples, "accepted": self.accepted, "rejected": self.cases - self.accepted,
-                "failures": self.failures, "seconds": round(self.seconds, 2), "cases_per_s": round(rate, 1),
-                "first_failure": self.first_failure}
+        return {"cases": self.cases, "examples": self.examples, "accepted": self.accepted,
+                "rejected": self.cases - self.accepted, "failures": self.failures, "seconds": round(self.seconds, 2),
+                "cases_per_s": round(rate, 1), "first_failure": self.first_failure}
 
 
 def run_property(name: str, strategy: st.SearchStrategy, check: Callable[[Any], bool], examples: int, seed: int,
@@ -1477,8 +1479,8 @@ def router_requests(draw, model: str = MODEL):
     """(path, body bytes, kind): valid requests of each endpoint and every kind of bad one."""
     path, valid = draw(st.sampled_from([("/v1/route", route_requests(model)), ("/v1/release", release_requests(model)),
                                         ("/generate", generate_requests(model))]))
-    kind = draw(st.sampled_from(["valid", "valid", "valid", "valid", "perturbed", "perturbed", "wrong_field", "missing", "mutated",
-                                 "garbage", "too_many_tokens", "too_big", "bad_utf8", "nan_override",
+    kind = draw(st.sampled_from(["valid", "valid", "valid", "valid", "perturbed", "perturbed", "wrong_field", "missing",
+                                 "mutated", "garbage", "too_many_tokens", "too_big", "bad_utf8", "nan_override",
                                  "unknown_override", "negative", "not_object"]))
     body = draw(valid)
     if kind == "valid":
@@ -1497,7 +1499,8 @@ def router_requests(draw, model: str = MODEL):
         return path, draw(mutated(st.just(encode_json(body)))), kind
     if kind == "garbage":
         return path, draw(st.binary(max_size=100) | values(True).map(encode_json)
-                          | st.sampled_from([b"not json", b"{", b"[" * 5000, b'{"model": "m", "token_ids": [1,]}'])), kind
+                          | st.sampled_from([b"not json", b"{", b"[" * 5000,
+                                             b'{"model": "m", "token_ids": [1,]}'])), kind
     tokens_field = "input_ids" if path == "/generate" else "token_ids"
     if kind == "too_many_tokens":
         body = {"model": model, tokens_field: [7] * draw(st.integers(ROUTER_MAX_TOKENS + 1, 3000))}
@@ -1513,10 +1516,12 @@ def router_requests(draw, model: str = MODEL):
                              % (model.encode(), draw(st.sampled_from(OVERRIDE_NAMES)).encode(), value)), kind
     if kind == "unknown_override":
         return "/v1/route", encode_json({"model": model, "token_ids": [1],
-                                         "overrides": {draw(st.sampled_from(["temprature", "credit", "", "x.y"])): 1}}), kind
+                                         "overrides": {
+                                             draw(st.sampled_from(["temprature", "credit", "", "x.y"])): 1}}), kind
     if kind == "negative":
         if path == "/v1/route":
-            return path, encode_json({"model": model, "token_ids": [1], "max_new_tokens": draw(st.integers(max_value=-1))}), kind
+            return path, encode_json({"model": model, "token_ids": [1],
+                                      "max_new_tokens": draw(st.integers(max_value=-1))}), kind
         if path == "/generate":
             return path, encode_json({"input_ids": [1], "sampling_params": {"max_new_tokens": -5}}), kind
         return path, encode_json({"model": model, "request_id": draw(st.integers())}), kind

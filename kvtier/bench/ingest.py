@@ -251,7 +251,8 @@ def run_ingest_bench(args) -> int:
         last = {w: s for w, s, _, _ in payloads}
         processor = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url,
                                       "--redis", redis_server.url, "--log-level", "WARNING",
-                                      "--hash-check", args.hash_check, "--hash-check-budget", str(args.hash_check_budget)],
+                                      "--hash-check", args.hash_check,
+                                      "--hash-check-budget", str(args.hash_check_budget)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             if not watcher.wait_for(last, 600, lambda: processor.poll() is None):
@@ -264,7 +265,8 @@ def run_ingest_bench(args) -> int:
 
             lag_transitions = args.lag_rate or rate / 2
             lag_rate = lag_transitions / per_message
-            say(f"lag phase: {lag_rate:.0f} messages/s ({lag_transitions:,.0f} transitions/s) for {args.lag_seconds}s ...")
+            say(f"lag phase: {lag_rate:.0f} messages/s ({lag_transitions:,.0f} transitions/s) "
+                f"for {args.lag_seconds}s ...")
             lag_messages = [workload.message(0.0) for _ in range(max(1, int(lag_rate * args.lag_seconds)))]
             watcher = _Watcher(redis_server.url, workload.workers)
             watcher.seen = {w: last.get(w, 0) for w in workload.workers}
@@ -282,7 +284,7 @@ def run_ingest_bench(args) -> int:
                 t0 = min(stamps.values())
                 series = sorted(((t - t0), (visible_at[k] - t) * 1000) for k, t in stamps.items() if k in visible_at)
                 for w in range(int(args.lag_seconds * 4)):
-                    win = [l for t, l in series if w / 4 <= t < (w + 1) / 4]
+                    win = [lag for t, lag in series if w / 4 <= t < (w + 1) / 4]
                     if win:
                         say(f"  t={w / 4:5.2f}s n={len(win):4d} p50={statistics.median(win):7.2f} max={max(win):7.2f}")
             missing = len(stamps) - len(lags)

@@ -85,7 +85,8 @@ class RunResult:
             counts[o.rank] += 1
         mean = statistics.fmean(counts)
         page = self.shape.page_size
-        hits = {tier: sum(o.hit_pages[i] for o in self.outcomes) * page for i, tier in enumerate(("device", "host", "l3"))}
+        hits = {tier: sum(o.hit_pages[i] for o in self.outcomes) * page
+                for i, tier in enumerate(("device", "host", "l3"))}
         reasons = {name: 0 for name in REASONS}
         for o in self.outcomes:
             reasons[o.reason] += 1

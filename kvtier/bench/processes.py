@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class KvtierSubprocess:

@@ -13,8 +13,8 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvtier.bench.policies import DEVICE_ONLY
 from kvtier.bench.processes import KvtierSubprocess, wait_http
@@ -57,7 +57,8 @@ class PolicyResult:
         return {
             "requests": self.requests,
             "recomputed_tokens": self.recomputed_tokens,
-            "reused_pct": round(100 * (1 - self.recomputed_tokens / self.prompt_tokens), 2) if self.prompt_tokens else 0.0,
+            "reused_pct": (round(100 * (1 - self.recomputed_tokens / self.prompt_tokens), 2)
+                           if self.prompt_tokens else 0.0),
             "hit_tokens": self.hit_tokens,
             "ttft_p50_ms": round(statistics.median(ttft) * 1000, 1),
             "ttft_p99_ms": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1000, 1),
@@ -118,8 +119,9 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
                                 "--shared-cache-timeout-ms", "200"]
             for r in range(2):
                 port = free_port()
-                procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}", *router_args],
-                                   log_dir, f"{policy}-router{r}"))
+                procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}",
+                                               *router_args],
+                                              log_dir, f"{policy}-router{r}"))
                 routers.append(f"http://127.0.0.1:{port}")
         # An overloaded machine makes requests late, not wrong (the simulated clock is the
         # trace's), so waits are generous rather than failures.
@@ -261,8 +263,8 @@ def run_realtime(requests, shape, time_scale, policies, seed, progress=None, log
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvtier-replay-")
     with NatsServer() as nats_server, RedisServer() as redis_server:
-        processor = KvtierSubprocess(["processor", "--nats", nats_server.url, "--redis", redis_server.url, "--partitions",
-                           "auto", "--log-level", "WARNING"], log_dir, "processor")
+        processor = KvtierSubprocess(["processor", "--nats", nats_server.url, "--redis", redis_server.url,
+                                      "--partitions", "auto", "--log-level", "WARNING"], log_dir, "processor")
         try:
             import uvloop
 

@@ -98,7 +98,7 @@ def _dynamo_find_matches(state: BenchState, requests: list[int]) -> dict[str, fl
     except ImportError:
         return None
     tree = RadixTree()
-    for wid, (worker, held) in enumerate(state.holdings.items()):
+    for wid, (_worker, held) in enumerate(state.holdings.items()):
         for n, (conv, device, _host, _disk) in enumerate(held):
             if not device:
                 continue
@@ -264,7 +264,7 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
                 break
             except OSError:
                 if proc.proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"router did not start: {proc.tail()}")
+                    raise SystemExit(f"router did not start: {proc.tail()}") from None
                 time.sleep(0.1)
 
         async def load():

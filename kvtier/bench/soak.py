@@ -121,7 +121,8 @@ class SoakConfig:
         if not MIN_MINUTES <= self.minutes <= MAX_MINUTES:
             raise ValueError(f"--minutes must be within {MIN_MINUTES:g}..{MAX_MINUTES:g}, got {self.minutes:g}")
         if not 1 <= self.die < self.sim_workers:
-            raise ValueError(f"--die must leave a survivor: 1 <= die < sim-workers ({self.sim_workers}), got {self.die}")
+            raise ValueError(f"--die must leave a survivor: 1 <= die < sim-workers ({self.sim_workers}), "
+                             f"got {self.die}")
         if not 1 <= self.routers <= 4:
             raise ValueError(f"--routers must be 1..4, got {self.routers}")
         if not 0 <= self.warm_up_s <= 300:
@@ -449,7 +450,8 @@ def judge(samples: list[dict], phases: list[tuple[str, float, float]], baseline_
     lingering = sorted({k for info in dead.values() for k in info.get("lingering", [])})
     out.append(_verdict(
         "dead_workers_cleared", bool(dead) and not problems,
-        (f"{len(dead)} dead workers: entries gone {removed_after:.1f}s after the kill (lease {meta.get('lease_ttl_s')}s)"
+        (f"{len(dead)} dead workers: entries gone {removed_after:.1f}s after the kill "
+         f"(lease {meta.get('lease_ttl_s')}s)"
          if removed_after is not None else f"{len(dead)} dead workers: entries never reached 0")
         + (f"; state TTL {min(i.get('state_ttl', -2) for i in dead.values())}s" if dead else "")
         + (f"; left without TTL: {', '.join(lingering)}" if lingering else "")
@@ -518,7 +520,8 @@ def format_table(medians: dict[str, dict], phases, baseline_used_memory: int) ->
                       key=lambda k: (next((i for i, o in enumerate(order) if k.startswith(o)), len(order)), k))
     rss_short = {k: k[4:].replace("_mb", "") for k in rss_keys}
     header = (f"{'phase':<7} {'s':>5} {'wrk':>3} {'device':>7} {'host':>7} {'redis MB':>8} {'B/entry':>7} "
-              f"{'keys':>5} {'bk':>4} {'dec/s':>5} {'JS MB ev/dec':>12} " + " ".join(f"{v:>9}" for v in rss_short.values()))
+              f"{'keys':>5} {'bk':>4} {'dec/s':>5} {'JS MB ev/dec':>12} "
+              + " ".join(f"{v:>9}" for v in rss_short.values()))
     lines = ["medians per phase; RSS in MB", header, "-" * len(header)]
     for name, start, end in phases:
         m = medians.get(name, {})
@@ -1140,12 +1143,14 @@ def run_soak_bench(args) -> int:
                      trace=args.trace or str(SAMPLE_TRACE), seed=args.seed)
     phases = cfg.phase_bounds()
     print(f"kvtier bench soak: {cfg.minutes:g} min at {cfg.rate:g} requests/s on {cfg.sim_workers} sim-workers x "
-          f"{cfg.ranks} ranks ({cfg.device_pages} device + {cfg.host_pages} host pages of {cfg.page_size} tokens each), "
+          f"{cfg.ranks} ranks ({cfg.device_pages} device + {cfg.host_pages} host pages "
+          f"of {cfg.page_size} tokens each), "
           f"{cfg.routers} routers; phases " + ", ".join(f"{n} {e - s:.0f}s" for n, s, e in phases)
           + f" after a {cfg.warm_up_s:g}s warm-up; a sample every {cfg.sample_s:g}s", file=sys.stderr, flush=True)
     report = run_soak(cfg, progress=lambda text: print("  " + text, file=sys.stderr, flush=True))
     bounds = report.pop("_phase_bounds")
-    medians = {name: {k: v for k, v in m.items() if k not in ("start_s", "end_s")} for name, m in report["phases"].items()}
+    medians = {name: {k: v for k, v in m.items() if k not in ("start_s", "end_s")}
+               for name, m in report["phases"].items()}
     print(format_table(medians, bounds, report["baseline_used_memory"]))
     print()
     print(format_verdicts(report["verdicts"]))

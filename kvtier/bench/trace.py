@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvtier.bench.trace_record import TRACE_BLOCK_TOKENS, TraceRequest  # noqa: F401 - TRACE_BLOCK_TOKENS re-exported
 from kvtier.schemas.hashes import PageDigest, sglang_page_digests
-
-TRACE_BLOCK_TOKENS = 512
 
 #: Traces shipped inside the package (kvtier/data/README.md says where they come from).
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
@@ -26,13 +25,6 @@ DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
 CONVERSATION_TRACE = DATA_DIR / "mooncake_conversation_trace.jsonl.gz"
 #: Its first 1,000 requests.
 SAMPLE_TRACE = DATA_DIR / "mooncake_trace_sample.jsonl"
-
-
-class TraceRequest(msgspec.Struct, frozen=True):
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
 
 
 def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRequest]:

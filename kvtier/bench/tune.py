@@ -113,7 +113,7 @@ class Tuner:
         defaults = ScoringWeights()
         self.trial(defaults)
         explore = max(0, budget // 2 - 1)
-        for i in range(explore):
+        for _ in range(explore):
             self.trial(msgspec.structs.replace(defaults, **_draw(rng, self.shared)))
             if progress:
                 progress(len(self.trials), budget)

@@ -6,6 +6,7 @@ mismatch degrades the decision instead of failing it."""
 from __future__ import annotations
 
 import pytest
+import redis
 
 from kvtier.embedded import RedisServer
 from kvtier.router.hashing import RequestPages, mooncake_object_keys
@@ -13,8 +14,6 @@ from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
 from ..helpers import stop_all
 from ..router_helpers import RouterProcess, StateSeeder, request_tokens
-
-import redis
 
 MODEL = "mooncake-model"
 

@@ -1,0 +1,147 @@
+"""No import circle between kvtier's modules.
+
+Every module of kvtier's packages (the `packages` of pyproject.toml, in the folders its
+`package-dir` maps them to: kvtier.schemas is schemas/, ...) is parsed with `ast`, and every
+`import` and `from ... import` statement in it counts, wherever it stands: at module level, in a
+function or class body, under `if TYPE_CHECKING:`. A function-level import is the usual way to hide
+a circle from Python's import machinery, but the two modules still need each other: neither can be
+read, tested or moved without the other, and whether they load depends on which one is imported
+first. Only imports of kvtier's own modules make edges; `from package import name` is an edge to
+the submodule when `name` is one, else to the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+Graph = dict[str, set[str]]
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """Module name -> source file, for every module setuptools installs."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir: dict[str, str] = setuptools["package-dir"]
+    modules = {}
+    for package in setuptools["packages"]:
+        # The folder of the longest mapped prefix, then the rest of the name as subfolders.
+        base = max((name for name in package_dir if package == name or package.startswith(name + ".")), key=len)
+        folder = ROOT / package_dir[base] / pathlib.Path(*package[len(base):].split(".")[1:])
+        for path in sorted(folder.glob("*.py")):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def imports_of(module: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The kvtier modules `module` imports, anywhere in its source."""
+    package = module if path.stem == "__init__" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                origin = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                found.add(f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in known else origin)
+    return {name for name in found if name in known and name != module}
+
+
+def import_graph() -> Graph:
+    modules = module_files()
+    return {module: imports_of(module, path, set(modules)) for module, path in modules.items()}
+
+
+def find_cycles(graph: Graph) -> list[list[str]]:
+    """One circle per group of modules that import each other (a strongly connected component
+    of more than one module), as [a, b, ..., a]; [] when the graph has none."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_circle_through(graph, set(component)) for component in components]
+
+
+def _circle_through(graph: Graph, component: set[str]) -> list[str]:
+    """A shortest path from the component's first module back to itself, inside the component."""
+    start = min(component)
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for target in sorted(graph.get(node, set()) & component - {node}):
+                if target == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [*reversed(path), start]
+                if target not in previous:
+                    previous[target] = node
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"{sorted(component)} is not strongly connected")
+
+
+def test_no_import_circle_between_kvtier_modules():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import circles:\n" + "\n".join("  " + " -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_graph_is_the_real_one():
+    """The check above is not vacuous: the mapping finds the modules and their imports."""
+    modules = module_files()
+    assert modules["kvtier.schemas.events"] == ROOT / "schemas" / "events.py"
+    assert modules["kvtier.bench.replay"] == ROOT / "kvtier" / "bench" / "replay.py"
+    assert modules["kvtier.router"] == ROOT / "router" / "__init__.py"
+    graph = import_graph()
+    assert len(graph) > 70 and sum(map(len, graph.values())) > 200
+    # module-level, relative, `from package import submodule` and function-level imports
+    assert "kvtier.schemas.hashes" in graph["kvtier.schemas.events"]  # from .hashes import WireBlockHash
+    assert "kvtier.router.core" in graph["kvtier.router.service"]  # from .core import ...
+    assert "kvtier.router.scoring" in graph["kvtier.explain"]  # from kvtier.router import scoring
+    assert "kvtier.replay" in graph["kvtier.cli"]  # inside main()
+
+
+def test_find_cycles_reports_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "a"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    graph["d"] = {"f"}
+    graph["f"] = {"d"}
+    assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["d", "f", "d"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set(), "e": {"e"}}) == []
