@@ -720,7 +720,8 @@ class Processor:
         for token, fields in zip(ordered, markers):
             marker_id, ready, building, scan_ms, created_ms = (as_text(f) if f is not None else None for f in fields)
             if marker_id is None:
-                self._state_unsettled_at = time.time()
+                if token in self._incarnations:  # a model seen ready lost its state (a new one is no loss)
+                    self._state_unsettled_at = time.time()
                 self._start_recovery(token)
                 continue
             if ready != "1":
