@@ -7,8 +7,10 @@
 local worker, before = ARGV[1], tonumber(ARGV[2])
 if redis.call('ZSCORE', KEYS[2], worker) then return 0 end
 local since = redis.call('HMGET', KEYS[1], 'stale_since_ms', 'applied_ms')
-local gone = tonumber(since[1]) or tonumber(since[2]) or 0
-if gone >= before then return 0 end
+-- No time at all (a worker just listed by a rebuild or a first batch, its announce not applied
+-- yet) says nothing about when it went: it stays.
+local gone = tonumber(since[1]) or tonumber(since[2])
+if not gone or gone >= before then return 0 end
 redis.call('UNLINK', KEYS[1], KEYS[8], KEYS[9], KEYS[10])
 redis.call('SREM', KEYS[3], worker)
 redis.call('SREM', KEYS[4], worker)

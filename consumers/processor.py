@@ -713,19 +713,25 @@ class Processor:
         ordered = sorted(tokens)
         async with self.redis_async.pipeline(transaction=False) as pipe:
             for token in ordered:
-                pipe.hmget(ModelKeys(token).incarnation, "id", "ready", "rebuilding", "scan_ms", "created_ms")
+                pipe.hmget(ModelKeys(token).incarnation, "id", "ready", "rebuilding", "scan_ms", "created_ms", "reason")
             markers = await pipe.execute()
         now_ms = time.time() * 1000
         rebuilding = 0
         for token, fields in zip(ordered, markers):
-            marker_id, ready, building, scan_ms, created_ms = (as_text(f) if f is not None else None for f in fields)
+            marker_id, ready, building, scan_ms, created_ms, reason = (
+                as_text(f) if f is not None else None for f in fields)
+            # Only a known model's lost state holds lease expiries back: a new model's first
+            # "rebuild" (nothing acknowledged was lost) replays no lease that could look run out
+            # but for the history it is applying anyway.
+            known_model = token in self._incarnations
             if marker_id is None:
-                if token in self._incarnations:  # a model seen ready lost its state (a new one is no loss)
+                if known_model:  # a model seen ready lost its state (a new one is no loss)
                     self._state_unsettled_at = time.time()
                 self._start_recovery(token)
                 continue
             if ready != "1":
-                self._state_unsettled_at = time.time()
+                if known_model:
+                    self._state_unsettled_at = time.time()
                 rebuilding += 1
                 if now_ms - float(scan_ms or 0) > self.cfg.rebuild_scan_timeout_s * 1000:
                     self._start_recovery(token)
@@ -741,7 +747,8 @@ class Processor:
             if building == "1":
                 behind = await asyncio.to_thread(self.writer.rebuild_progress, token)
                 if behind:
-                    self._state_unsettled_at = time.time()
+                    if reason == "lost":
+                        self._state_unsettled_at = time.time()
                     rebuilding += 1
                 else:
                     log.warning("model %s: tier state rebuilt from the stream, %.1fs after the loss was found",

@@ -124,6 +124,19 @@ def test_late_batches_of_an_expired_worker_change_nothing_and_the_dead_are_forgo
         assert not redis_client.hkeys(key)
 
 
+def test_a_worker_listed_before_any_time_is_known_is_not_forgotten(redis_client):
+    """A worker a rebuild (or a first batch) has listed, whose announce is not applied yet, has
+    no lease and no time in its state: that says nothing about when it went. The fault suite's
+    processor forgot such a worker on start, right after a rebuild."""
+    writer = TierStateWriter(redis_client)
+    keys = ModelKeys.for_model(MODEL + "-listed")
+    redis_client.sadd(writer.models_key, keys.model_token)
+    redis_client.sadd(keys.workers, "just-listed")
+    redis_client.hset(keys.state("just-listed"), mapping={"epoch": 5, "seq": 3})
+    assert writer.forget_dead_workers(retention_s=0.0, now=time.time() + 10_000.0) == []
+    assert redis_client.sismember(keys.workers, "just-listed") and redis_client.exists(keys.state("just-listed"))
+
+
 # --- defect 7: the fallback's in-flight map -------------------------------------------------
 def test_the_fallback_in_flight_map_is_bounded_and_expires():
     from kvtier.router.core import _Fallback
