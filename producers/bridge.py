@@ -368,14 +368,9 @@ class RankBridge:
         because nothing later is published before this one is stored."""
         delay = 0.05
         retried = False
-        # A publish in flight when the broker dies is never answered: it waits out this timeout
-        # while holding the lock the heartbeat needs. Waiting longer than a heartbeat would let
-        # the worker's lease run out in stream time behind it (heartbeat + 5 s + back-off is
-        # longer than a 4 s lease, and within a second of the default 10 s: 2 + 5 + 2).
-        ack_timeout = max(0.5, min(5.0, self.cfg.heartbeat_s))
         while True:
             try:
-                ack = await self.js.publish(subject, data, headers=headers, timeout=ack_timeout)
+                ack = await self.js.publish(subject, data, headers=headers, timeout=5.0)
                 if ack.duplicate and not retried:
                     # Not a retry of ours: another publisher used this id (a second bridge for
                     # the same worker, or a copied stream): this batch was NOT stored.

@@ -495,7 +495,7 @@ def test_two_models_with_one_worker_name_and_epoch_both_apply(nats_server, redis
 
 
 def test_a_duplicate_that_was_not_a_retry_is_an_error(nats_server):
-    from kvtier.producers.bridge import DUPLICATES, BridgeConfig, RankBridge
+    from kvtier.producers.bridge import DUPLICATES, RankBridge
 
     async def main():
         nc = await nats.connect(nats_server.url)
@@ -504,8 +504,6 @@ def test_a_duplicate_that_was_not_a_retry_is_an_error(nats_server):
             await ensure_streams(js, StreamSettings())
             bridge = RankBridge.__new__(RankBridge)  # only its publish path, on a real stream
             bridge.js, bridge._label, bridge.stopping = js, "dup-test", asyncio.Event()
-            bridge.cfg = BridgeConfig(endpoint="tcp://127.0.0.1:1", worker_id="w0", model=MODEL, page_size=16,
-                                      nats_url=nats_server.url)
             subject = events_subject(MODEL, "w0")
             data = encode_message(batch(1))
             before = DUPLICATES.labels("dup-test")._value.get()
