@@ -276,6 +276,8 @@ class TierAnalytics:
         self.advance(at)
         meta = message.metadata
         w = self.worker(meta.model, meta.worker_id)
+        if w.lease_until is not None and not w.expired and at + message.lease_ttl_s <= w.lease_until:
+            return  # an older announce delivered again: it renews nothing (consumers/announce.lua)
         w.page_size = meta.page_size
         w.lease_until = at + message.lease_ttl_s
         w.expired = False

@@ -75,6 +75,7 @@ def _load_script(name: str) -> str:
 _APPLY_LUA = _load_script("apply.lua")
 _EXPIRE_LUA = _load_script("expire.lua")
 _FORGET_LUA = _load_script("forget.lua")
+_ANNOUNCE_LUA = _load_script("announce.lua")
 #: Claim the rebuild of a model whose marker is missing (or whose rebuild scan went silent).
 #: KEYS: 1 marker. ARGV: 1 owner, 2 now ms, 3 scan timeout ms, 4 new id.
 #: Returns {outcome, id}: 'created' | 'takeover' (this caller rebuilds) | 'held'.
@@ -132,6 +133,7 @@ class TierStateWriter:
         self._apply = client.register_script(_APPLY_LUA)
         self._expire = client.register_script(_EXPIRE_LUA)
         self._forget = client.register_script(_FORGET_LUA)
+        self._announce = client.register_script(_ANNOUNCE_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
         self._adopt = client.register_script(_ADOPT_LUA)
         self._async_client = async_client
@@ -221,14 +223,12 @@ class TierStateWriter:
         # `kvt:models` lives in another hash slot: a transaction over it and the model's keys
         # would be cross-slot on Redis Cluster, so it is added first, on its own.
         self.client.sadd(self.models_key, keys.model_token)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(keys.meta(meta.worker_id), msgspec.json.encode(meta))
-        pipe.zadd(keys.leases, {meta.worker_id: expiry_ms})
-        pipe.sadd(keys.workers, meta.worker_id)
-        # Routers walk each worker's pages with the request hashed at the worker's page size.
-        pipe.hset(keys.page_sizes, meta.worker_id, meta.page_size)
-        pipe.hget(keys.state(meta.worker_id), "stale")
-        return (pipe.execute()[-1] or b"0") not in (b"0", "0")
+        # announce.lua: a redelivered older announce renews nothing. The page size is recorded
+        # because routers walk each worker's pages with the request hashed at that size.
+        _recorded, stale = self._announce(
+            keys=[keys.meta(meta.worker_id), keys.leases, keys.workers, keys.page_sizes, keys.state(meta.worker_id)],
+            args=[meta.worker_id, expiry_ms, msgspec.json.encode(meta), meta.page_size])
+        return stale not in (b"0", "0", 0)
 
     def forget_dead_workers(self, retention_s: float, now: float | None = None) -> list[tuple[str, str]]:
         """Remove every trace of workers without a lease that went (their lease expired, or

@@ -384,7 +384,9 @@ class Processor:
                 else:
                     log.exception("partition %d: applying %d messages failed; redelivering them", partition,
                                   len(messages))
-                for msg in messages:  # acked ones refuse the nak; the rest come back in order
+                # Acked ones refuse the nak. The rest come back after later messages may have been
+                # applied: batches are put in order by their seq, announces by announce.lua.
+                for msg in messages:
                     with contextlib.suppress(Exception):
                         await msg.nak(delay=1.0)
                 await asyncio.sleep(1.0)

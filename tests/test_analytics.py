@@ -150,6 +150,18 @@ def test_lease_expiry_drops_pages_and_quiet_mode_counts_nothing():
     assert not a.workers[(M, "w0")].expired
 
 
+def test_an_older_announce_delivered_again_moves_no_lease_back():
+    a = TierAnalytics(writeback_window_s=0)
+    a.announce(announce(ttl=10), at=0)
+    a.apply_batch(batch(1, 1, stored(D, 1)), at=1)
+    a.announce(announce(ttl=10), at=8)  # lease to 18
+    a.announce(announce(ttl=10), at=1)  # an older one, delivered again: would set it to 11
+    a.advance(15)
+    assert not a.workers[(M, "w0")].expired and a.resident()[(M, "w0", "device")] == 1
+    a.advance(18.1)
+    assert a.workers[(M, "w0")].expired
+
+
 def test_decisions_hit_tokens_and_shared_pool_rate():
     a = TierAnalytics()
     a.decision(decision("w0", [("w0", {"device": 2, "host": 1, "shared_beyond": 3}), ("w1", {})], 8, queried=True))

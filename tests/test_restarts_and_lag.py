@@ -367,6 +367,63 @@ def test_a_dead_workers_processor_dying_too_still_expires_it(nats_server, redis_
         stop_all(first, second)
 
 
+# --- at-least-once delivery: an older announce delivered again renews nothing -------------------
+def test_an_older_announce_delivered_again_moves_no_lease_back(redis_client):
+    writer = TierStateWriter(redis_client)
+    leases, meta = ModelKeys.for_model(MODEL).leases, ModelKeys.for_model(MODEL).meta("w0")
+    now = time.time()
+    newer = WorkerAnnounce(metadata=WorkerMetadata(worker_id="w0", model=MODEL, page_size=16), ts=now,
+                           lease_ttl_s=4.0, cursor=BridgeCursor(epoch=2, seq=0))
+    older = announce(lease_s=4.0)  # page size 4: what the worker was before it restarted
+    writer.announce(newer, at=now)
+    writer.announce(older, at=now - 30.0)  # its ack was lost: it comes back 30 s late
+    assert redis_client.zscore(leases, "w0") == int((now + 4.0) * 1000)
+    assert json.loads(redis_client.get(meta))["page_size"] == 16
+    assert redis_client.hget(ModelKeys.for_model(MODEL).page_sizes, "w0") == b"16"
+    # the next announce renews it as usual
+    writer.announce(newer, at=now + 1.0)
+    assert redis_client.zscore(leases, "w0") == int((now + 5.0) * 1000)
+
+
+def test_a_live_worker_outlives_an_old_announce_redelivered_after_newer_ones(nats_server, redis_server,
+                                                                            redis_client):
+    """The fault suite's failure: an announce whose delivery was lost comes back (here after the
+    ack wait) when newer announces have been applied. Before announce.lua it set the lease back
+    to its own stream time, and the worker, alive and announcing, was expired at once."""
+    from kvtier.schemas.subjects import partition_of
+
+    lease = 6.0
+    feed = Feed(nats_server.url)
+    feed.send(feed.announce(lease), batch(1, events=[stored(1, 2)], from_start=True))
+    processor = processor_process(nats_server.url, redis_server.url, "--ack-wait", "7")
+    leases = ModelKeys.for_model(MODEL).leases
+    try:
+        wait_until(lambda: pages(redis_client) == 2, timeout=30, what=processor.output)
+        durable = f"kvtier-processor-p{partition_of(MODEL, 'w0', 8)}"
+        os.kill(processor.pid, signal.SIGSTOP)  # the processor's pulls wait ...
+        try:
+            time.sleep(5.5)  # ... until the server lets them expire (5 s): only ours will be served
+            feed.send(feed.announce(lease))
+            asyncio.run(steal_one_delivery(nats_server.url, durable))  # back after the 7 s ack wait
+            stolen_at = time.time()
+            time.sleep(4.0)
+            feed.send(feed.announce(lease))  # the newer announce, applied first
+            newest = time.time()
+        finally:
+            os.kill(processor.pid, signal.SIGCONT)
+        wait_until(lambda: float(redis_client.zscore(leases, "w0") or 0) / 1000 > newest + lease - 1.0,
+                   timeout=10, what=processor.output)
+        # past the stolen announce's redelivery (7 s) and its own lease's end (6 s) ...
+        time.sleep(max(0.0, stolen_at + 8.5 - time.time()))
+        # ... and before the newest one's: the worker is live, its lease the newest announce's
+        assert time.time() < newest + lease
+        assert pages(redis_client) == 2 and state(redis_client)["stale"] == "0", processor.output()[-2000:]
+        assert float(redis_client.zscore(leases, "w0")) / 1000 > newest + lease - 1.0
+        assert "lease expired" not in processor.output()
+    finally:
+        stop_all(processor)
+
+
 # --- defect 2: deliveries lost with a pull come back before the gap timeout --------------------------
 def test_lost_deliveries_come_back_without_a_rebase(nats_server, redis_server, redis_client):
     feed = Feed(nats_server.url)
