@@ -67,6 +67,8 @@ DEAD_LETTERS = Counter("kvtier_bridge_dead_letters_total", "Engine input dead-le
 PUBLISH_RETRIES = Counter("kvtier_bridge_publish_retries_total", "JetStream publish retries", ["worker"])
 #: Dead letters of one engine batch published concurrently (each acked by the stream).
 DEAD_LETTERS_IN_FLIGHT = 256
+#: Replay requests a starting bridge makes before it gives up and begins a partial epoch.
+START_REPLAY_ATTEMPTS = 3
 DUPLICATES = Counter("kvtier_bridge_duplicate_publishes_total",
                      "Batches the stream dropped as duplicates of a message this bridge did not send", ["worker"])
 LAST_SEQ = Gauge("kvtier_bridge_last_engine_seq", "Last engine seq forwarded", ["worker"])
@@ -194,7 +196,9 @@ class RankBridge:
                             source_ts_last=message.source_ts_last)
 
     async def _start(self, cursor: BridgeCursor | None) -> None:
-        buffered = await self._replay_from(0) if self.replay else None
+        # At start nothing waits on the replay, and without it the epoch holds only what comes
+        # next (partial): a busy engine gets three tries, the timeout doubling each time.
+        buffered = await self._replay_from(0, attempts=START_REPLAY_ATTEMPTS) if self.replay else None
         if cursor is not None and buffered and cursor.source_seq_last >= 0:
             tail = _after_matching(buffered, cursor.source_seq_last, cursor.source_ts_last)
             if tail is not None:
@@ -234,13 +238,20 @@ class RankBridge:
         EPOCHS.labels(self._label, reason.value).inc()
         log.warning("%s: new epoch %d (%s)", self._label, self.epoch, reason.value)
 
-    async def _replay_from(self, start: int) -> list[RawBatch] | None:
+    async def _replay_from(self, start: int, attempts: int = 1) -> list[RawBatch] | None:
         assert self.replay is not None
-        try:
-            return await self.replay.fetch(start)
-        except ReplayError as exc:
-            log.warning("%s: replay failed: %s", self._label, exc)
-            return None
+        timeout_s = self.replay.timeout_s
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.replay.fetch(start, timeout_s)
+            except ReplayError as exc:
+                if attempt == attempts:
+                    log.warning("%s: replay failed: %s", self._label, exc)
+                    return None
+                log.warning("%s: replay failed (%s); asking again (try %d of %d)", self._label, exc, attempt + 1,
+                            attempts)
+                timeout_s *= 2
+        return None
 
     # --- live path ------------------------------------------------------------------------
     async def _live(self, sub: SglangSubscriber) -> None:

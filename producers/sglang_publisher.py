@@ -36,6 +36,7 @@ class SglangEventPublisher:
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self.seq = 0
+        self._ignore_replays = 0
         self._stop = threading.Event()
         self.replay_endpoint = ""
         self._thread: threading.Thread | None = None
@@ -74,6 +75,12 @@ class SglangEventPublisher:
             while self._buffer and self._buffer[0][0] < seq:
                 self._buffer.popleft()
 
+    def ignore_replay_requests(self, count: int) -> None:
+        """Leave the next `count` replay requests unanswered, as an engine too busy to answer
+        in time would."""
+        with self._lock:
+            self._ignore_replays = count
+
     def _serve_replay(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -85,6 +92,9 @@ class SglangEventPublisher:
                 continue  # SGLang ignores malformed replay requests too
             client, start = frames[0], int.from_bytes(frames[2], "big")
             with self._lock:
+                if self._ignore_replays > 0:
+                    self._ignore_replays -= 1
+                    continue
                 batches = [(s, p) for s, p in self._buffer if s >= start]
             for seq, payload in batches:
                 body = [self.topic, encode_seq(seq), payload] if self.replay_topic_frame else [encode_seq(seq), payload]

@@ -64,7 +64,10 @@ class ReplayClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
 
-    async def fetch(self, start_seq: int) -> list[RawBatch]:
+    async def fetch(self, start_seq: int, timeout_s: float | None = None) -> list[RawBatch]:
+        """Every buffered batch from `start_seq`; ReplayError if no frame comes for
+        `timeout_s` (default: the client's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
@@ -73,10 +76,10 @@ class ReplayClient:
             batches: list[RawBatch] = []
             while True:
                 try:
-                    frames = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
+                    frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
                 except asyncio.TimeoutError:
                     raise ReplayError(f"no complete answer from replay socket {self.endpoint} "
-                                      f"within {self.timeout_s}s") from None
+                                      f"within {timeout_s:g}s") from None
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 seq_frame, payload = _split_replay(frames)

@@ -506,6 +506,24 @@ def test_a_bridge_that_joins_late_makes_a_partial_worker_until_a_flush(nats_serv
         publisher.close()
 
 
+def test_a_starting_bridge_asks_a_slow_engine_for_its_replay_again(nats_server, redis_server, redis_client):
+    """An engine too busy to answer the first replay request in time (seen in the fault suite
+    on a loaded machine): the bridge asks again instead of beginning an epoch without the
+    engine's history, which would leave the worker partial and missing pages it holds."""
+    publisher = SglangEventPublisher(buffer_size=100)
+    engine_batches(publisher, 0, 5)  # held by the engine before its bridge starts
+    publisher.ignore_replay_requests(2)
+    bridge = bridge_process(publisher, nats_server.url, "w0", MODEL, 4, "--replay-timeout", "0.5")
+    processor = processor_process(nats_server.url, redis_server.url)
+    try:
+        wait_until(lambda: pages(redis_client) == 5, timeout=30, what=lambda: bridge.output() + processor.output())
+        assert state(redis_client)["partial"] == "0", bridge.output()
+        assert "asking again (try 3 of 3)" in bridge.output()
+    finally:
+        stop_all(bridge, processor)
+        publisher.close()
+
+
 async def _inspect(redis_url: str) -> str:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvtier.cli", "inspect", "--redis", redis_url,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
