@@ -2,7 +2,7 @@
 
 The numbers come from `analytics_model.TierAnalytics` (pure, no I/O); this module is its
 edges: decoding stream messages into it (`MessageFeeder`, shared with `kvtier report`),
-reading a stream in order (`read_stream`), the durable consumers, and the HTTP endpoint.
+the durable consumers (read through consumers/pull.py, as the processor's), and the HTTP endpoint.
 
 Delivery. Two durable pull consumers of its own, `<durable>-events` on KVTIER_EVENTS and
 `<durable>-decisions` on KVTIER_DECISIONS (never the processors' consumers); each message is
@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvtier.consumers.analytics_model import TIER_NAMES, TierAnalytics
-from kvtier.consumers.pull import ConsumerGone
+from kvtier.consumers.pull import PullStream, consume, filter_config, read_stream
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.routing import DECISION_SCHEMA_VERSION, RouteDecision
 from kvtier.schemas.subjects import (
@@ -71,10 +69,6 @@ def decision_filters(models: list[str] | None) -> list[str]:
     if not models:
         return [f"{DECISIONS_PREFIX}.>"]
     return sorted({decisions_subject(m) for m in models})
-
-
-def filter_config(filters: list[str]) -> dict:
-    return {"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}
 
 
 class MessageFeeder:
@@ -122,68 +116,6 @@ class MessageFeeder:
             return "skipped"
         self.analytics.decision(decision)
         return "decision"
-
-
-# --- reading a stream in order ---------------------------------------------------------------
-@dataclass(frozen=True)
-class StoredMsg:
-    seq: int
-    time: float  # when the stream stored it (unix seconds, server clock)
-    data: bytes
-    pending: int
-
-
-async def read_stream(nc, stream: str, filters: list[str], *, start_seq: int | None = None,
-                      start_time: float | None = None, end_seq: int | None = None,
-                      end_time: float | None = None, batch: int = 512) -> AsyncIterator[StoredMsg]:
-    """Messages of `stream` matching `filters`, in stream order, through an ephemeral,
-    unacknowledged pull consumer (deleted afterwards): from the first one (or `start_seq` /
-    `start_time`) to `end_seq` / `end_time` or to what the stream held when it began."""
-    import nats.js.errors
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    from kvtier.consumers.pull import PullStream
-
-    js = nc.jetstream()
-    config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=60.0,
-                            mem_storage=True, num_replicas=1, **filter_config(filters))
-    if start_seq is not None:
-        config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, max(1, start_seq)
-    elif start_time is not None:
-        config.deliver_policy = DeliverPolicy.BY_START_TIME
-        config.opt_start_time = dt.datetime.fromtimestamp(start_time, dt.timezone.utc)
-    try:
-        info = await js.add_consumer(stream, config)
-    except nats.js.errors.NotFoundError:
-        return  # no such stream: nothing was ever published to it
-    remaining = info.num_pending
-    pull = await PullStream(nc, stream, info.name, batch).start()
-    try:
-        idle = 0
-        while remaining > 0:
-            msgs = await pull.next_batch(timeout=0.5)
-            if not msgs:
-                idle += 1
-                if idle >= 6:
-                    current = await js.consumer_info(stream, info.name)
-                    if current.num_pending == 0:
-                        return  # what was pending aged out meanwhile
-                    idle = 0
-                continue
-            idle = 0
-            for msg in msgs:
-                meta = msg.metadata
-                item = StoredMsg(meta.sequence.stream, meta.timestamp.timestamp(), msg.data, meta.num_pending)
-                if end_time is not None and item.time > end_time:
-                    return
-                yield item
-                remaining -= 1
-                if item.pending == 0 or remaining <= 0 or (end_seq is not None and item.seq >= end_seq):
-                    return
-    finally:
-        await pull.close()
-        with contextlib.suppress(Exception):
-            await js.delete_consumer(stream, info.name)
 
 
 # --- Prometheus --------------------------------------------------------------------------
@@ -487,40 +419,36 @@ class AnalyticsService:
                  len(self.analytics.workers), stats.rebuilt, floor, time.monotonic() - started)
 
     async def _consume(self, stream: str, stop: asyncio.Event) -> None:
-        from kvtier.consumers.pull import PullStream
+        import nats.js.errors
 
         durable = self.durable_name(stream)
         feed = self.feeder.event if stream == EVENTS_STREAM else self.feeder.decision
         stats = self.stats[stream]
-        pull = await PullStream(self.nc, stream, durable, self.cfg.fetch_batch).start()
-        try:
-            while not stop.is_set():
-                try:
-                    msgs = await pull.next_batch(timeout=0.5)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a consumer loop must survive broker hiccups
-                    if stop.is_set():
-                        break
-                    log.warning("%s: pull failed (%r); re-subscribing", stream, exc)
-                    await pull.close()
-                    await asyncio.sleep(0.5)
-                    if isinstance(exc, ConsumerGone):  # deleted under us: recreate it at its ack floor
-                        with contextlib.suppress(Exception):
-                            # run() connected before it started the consumers
-                            await self._durable(self.nc.jetstream(), stream)  # type: ignore[union-attr]
-                    pull = await PullStream(self.nc, stream, durable, self.cfg.fetch_batch).start()
-                    continue
-                for msg in msgs:
-                    meta = msg.metadata
-                    at = meta.timestamp.timestamp()
-                    feed(msg.data, at)
-                    stats.counted += 1
-                    stats.last_time = at
-                    stats.pending = meta.num_pending
-                    await msg.ack()  # after counting: a restart continues after it
-        finally:
-            await pull.close()
+        opened = False
+
+        async def open_pull() -> PullStream:
+            nonlocal opened
+            if opened:  # re-opened after a failure: if the durable was deleted under us, recreate
+                js = self.nc.jetstream()  # type: ignore[union-attr]  # run() connected first
+                with contextlib.suppress(Exception):
+                    try:
+                        await js.consumer_info(stream, durable)
+                    except nats.js.errors.NotFoundError:
+                        await self._durable(js, stream)  # at its ack floor
+            opened = True
+            return await PullStream(self.nc, stream, durable, self.cfg.fetch_batch).start()
+
+        async def count(msgs) -> None:
+            for msg in msgs:
+                meta = msg.metadata
+                at = meta.timestamp.timestamp()
+                feed(msg.data, at)
+                stats.counted += 1
+                stats.last_time = at
+                stats.pending = meta.num_pending
+                await msg.ack()  # after counting: a restart continues after it
+
+        await consume(stream, open_pull, count, stop, log=log)
 
     async def _tick(self, js, stop: asyncio.Event) -> None:
         """Consumer positions for /metrics; once caught up, the wall clock drives leases and

@@ -45,7 +45,7 @@ from kvtier.connections import redact, redis_async_client, redis_client
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter, as_text
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
-from kvtier.consumers.pull import ConsumerGone, PullStream
+from kvtier.consumers.pull import PullStream, consume
 from kvtier.schemas.events import (
     EventBatch,
     UnsupportedVersion,
@@ -345,53 +345,32 @@ class Processor:
                 await asyncio.wait_for(stop.wait(), 1.0)
 
     async def _consume(self, partition: int, stop: asyncio.Event) -> None:
-        pull = await self._resubscribe(partition, stop)
-        while pull is not None and not stop.is_set():
-            if partition in self._rewind_partitions:
-                # A gap held back past `lost_delivery_s`: the missing batches were most likely
-                # delivered to a pull that is gone (they would come back only after ack_wait,
-                # later than the gap timeout). Rewind to the ack floor: they come back now.
-                self._rewind_partitions.discard(partition)
-                log.warning("partition %d: a gap is held back; rewinding the consumer to its ack floor", partition)
-                await pull.close()
-                pull = await self._resubscribe(partition, stop)
-                continue
-            try:
-                messages = await pull.next_batch(timeout=0.5)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a consumer loop must survive broker hiccups
-                if stop.is_set():
-                    break
-                if isinstance(exc, ConsumerGone) and "Deleted" in str(exc):
-                    log.info("partition %d: its consumer was re-created (rewound); re-subscribing", partition)
-                else:
-                    log.warning("partition %d: pull failed (%r); re-subscribing", partition, exc)
-                await asyncio.sleep(0.5)
-                await pull.close()
-                pull = await self._resubscribe(partition, stop)
-                continue
-            if not messages:
-                continue
-            try:
-                await self.handle(messages)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # nothing unacked is lost, so back off and retry
-                if isinstance(exc, redis.RedisError):
-                    log.warning("partition %d: Redis unavailable (%s); redelivering %d messages", partition, exc,
-                                len(messages))
-                else:
-                    log.exception("partition %d: applying %d messages failed; redelivering them", partition,
-                                  len(messages))
-                # Acked ones refuse the nak. The rest come back after later messages may have been
-                # applied: batches are put in order by their seq, announces by announce.lua.
-                for msg in messages:
-                    with contextlib.suppress(Exception):
-                        await msg.nak(delay=1.0)
-                await asyncio.sleep(1.0)
-        if pull is not None:
-            await pull.close()
+        def gap_held_back() -> bool:
+            # A gap held back past `lost_delivery_s`: the missing batches were most likely
+            # delivered to a pull that is gone (they would come back only after ack_wait, later
+            # than the gap timeout). Re-opening rewinds to the ack floor: they come back now.
+            if partition not in self._rewind_partitions:
+                return False
+            self._rewind_partitions.discard(partition)
+            log.warning("partition %d: a gap is held back; rewinding the consumer to its ack floor", partition)
+            return True
+
+        async def redeliver(messages, exc: Exception) -> None:
+            if isinstance(exc, redis.RedisError):
+                log.warning("partition %d: Redis unavailable (%s); redelivering %d messages", partition, exc,
+                            len(messages))
+            else:
+                log.error("partition %d: applying %d messages failed; redelivering them", partition, len(messages),
+                          exc_info=exc)
+            # Acked ones refuse the nak. The rest come back after later messages may have been
+            # applied: batches are put in order by their seq, announces by announce.lua.
+            for msg in messages:
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=1.0)
+            await asyncio.sleep(1.0)
+
+        await consume(f"partition {partition}", lambda: self._resubscribe(partition, stop), self.handle, stop,
+                      on_handle_error=redeliver, reopen_now=gap_held_back, log=log)
 
     async def _resubscribe(self, partition: int, stop: asyncio.Event) -> PullStream | None:
         """A new pull on the partition, rewound to its ack floor: deliveries made to the pull

@@ -494,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Engine batches a burst may merge into one NATS message.")
     b.add_argument("--max-pages-per-message", type=_positive_int, default=16384,
                    help="Page transitions per NATS message before it is split (keeps messages under 1 MB).")
+    b.add_argument("--replay-timeout", type=_positive_float, default=3.0, dest="replay_timeout_s",
+                   help="Seconds to wait for the engine's replay socket to answer; a starting bridge asks up to "
+                        "3 times, doubling it, before it begins an epoch without the replay (partial).")
     b.add_argument("--drop-token-ids", action="store_true",
                    help="Do not forward token ids of stored pages (smaller messages; disables hash validation).")
     _add_stream_flags(b)
@@ -989,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
                 hicache_storage_backend="mooncake" if layout else "none", http_endpoint=worker.http_endpoint,
                 engine_version=worker.engine_version, hicache_enabled=worker.hicache_enabled,
                 hicache_write_policy=worker.hicache_write_policy,
-                heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s,
+                heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s, replay_timeout_s=args.replay_timeout_s,
                 max_batches_per_message=args.max_batches_per_message,
                 max_pages_per_message=args.max_pages_per_message, keep_token_ids=not args.drop_token_ids,
                 streams=streams, partitions_explicit=explicit,

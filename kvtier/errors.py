@@ -7,12 +7,13 @@ import errno
 
 def user_facing(exc: BaseException) -> str | None:
     from kvtier.bench.dynamo_side import DynamoMissing
+    from kvtier.consumers.pull import StreamReadError
     from kvtier.embedded import MissingServerBinary, ServerStartError
     from kvtier.mooncake import MooncakeError
     from kvtier.streams import StreamMismatch
 
-    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, DynamoMissing, MooncakeError,
-                        ValueError)):
+    if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, StreamReadError, DynamoMissing,
+                        MooncakeError, ValueError)):
         return str(exc)
     try:
         import redis

@@ -18,16 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtier.replay import (
-    StreamMsg,
-    StreamReader,
-    connect,
-    events_filter,
-    iso,
-    parse_time,
-    read_backward,
-    stream_bounds,
-)
+from kvtier.consumers.pull import StoredMessage, StreamReader, read_backward
+from kvtier.replay import connect, events_filter, iso, parse_time, stream_bounds
 from kvtier.schemas.events import (
     AllCleared,
     EventBatch,
@@ -50,7 +42,7 @@ class Filters:
     kind: str | None = None
 
 
-def lines_of(msg: StreamMsg, filters: Filters, show_pages: int = 3) -> list[tuple[str, dict]]:
+def lines_of(msg: StoredMessage, filters: Filters, show_pages: int = 3) -> list[tuple[str, dict]]:
     """(text, JSON record) for each event of a message that passes the filters."""
     try:
         message = decode_message(msg.data)
@@ -82,7 +74,7 @@ def lines_of(msg: StreamMsg, filters: Filters, show_pages: int = 3) -> list[tupl
     return _batch_lines(msg, message, head, filters, show_pages)
 
 
-def _batch_lines(msg: StreamMsg, batch: EventBatch, head: str, filters: Filters, show_pages: int):
+def _batch_lines(msg: StoredMessage, batch: EventBatch, head: str, filters: Filters, show_pages: int):
     who = f"{batch.model}/{batch.worker_id} e{batch.epoch}:{batch.seq}"
     base = {"seq": msg.seq, "time": msg.time, "model": batch.model, "worker": batch.worker_id, "epoch": batch.epoch,
             "worker_seq": batch.seq}

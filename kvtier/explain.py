@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvtier.connections import redis_async_client
+from kvtier.consumers.pull import read_backward
 from kvtier.replay import (
     ReplayError,
     RetentionBoundary,
     connect,
     iso,
     message_time,
-    read_backward,
     rebuild,
     scratch_target,
     stream_bounds,

@@ -26,13 +26,12 @@ Where replay has to differ from a processor (said in its report):
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -40,6 +39,7 @@ import redis
 
 from kvtier.connections import redact, redis_client
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
+from kvtier.consumers.pull import StoredMessage, StreamReader
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
@@ -62,15 +62,6 @@ class RetentionBoundary(ReplayError):
 
 
 # --- reading a stream ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class StreamMsg:
-    seq: int
-    time: float  # when the stream stored it (unix seconds, server clock)
-    subject: str
-    data: bytes
-    pending: int  # matching messages after this one, when it was delivered
-
-
 async def connect(url: str):
     from kvtier.nats_options import NatsConnectError, connect_once
 
@@ -102,109 +93,6 @@ async def message_time(js, stream: str, seq: int) -> float | None:
     except nats.js.errors.NotFoundError:
         return None
     return raw.time.timestamp() if raw.time else None
-
-
-async def _add_consumer_patiently(js, stream: str, config, attempts: int = 3):
-    """Create an ephemeral consumer, retrying API timeouts: right after a cluster node is lost
-    the stream's new leader can take a few seconds to answer. A consumer created by an attempt
-    whose reply was lost is dropped by the server after its inactive threshold."""
-    import nats.errors
-
-    for attempt in range(attempts):
-        try:
-            return await js.add_consumer(stream, config, timeout=10)
-        except nats.errors.TimeoutError:
-            if attempt == attempts - 1:
-                raise ReplayError(f"NATS did not answer creating a consumer on {stream} ({attempts} tries of 10 s)") \
-                    from None
-
-
-class StreamReader:
-    """An ephemeral, unacknowledged pull consumer over `stream` (filtered), read in stream
-    order through the processor's own pull loop (consumers/pull.py). Deleted when done."""
-
-    def __init__(self, nc, stream: str, filter_subject: str, *, start_seq: int | None = None,
-                 start_time: float | None = None, batch: int = 512):
-        self.nc, self.js = nc, nc.jetstream()
-        self.stream, self.filter_subject = stream, filter_subject
-        self.start_seq, self.start_time, self.batch = start_seq, start_time, batch
-        self.name = ""
-        self.initial_pending = 0
-        self._pull = None
-
-    async def __aenter__(self) -> StreamReader:
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-        from kvtier.consumers.pull import PullStream
-
-        config = ConsumerConfig(ack_policy=AckPolicy.NONE, filter_subject=self.filter_subject,
-                                deliver_policy=DeliverPolicy.ALL, inactive_threshold=60.0, mem_storage=True,
-                                num_replicas=1)
-        if self.start_seq is not None:
-            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, max(1, self.start_seq)
-        elif self.start_time is not None:
-            config.deliver_policy = DeliverPolicy.BY_START_TIME
-            config.opt_start_time = dt.datetime.fromtimestamp(self.start_time, dt.timezone.utc)
-        info = await _add_consumer_patiently(self.js, self.stream, config)
-        self.name, self.initial_pending = info.name, info.num_pending
-        self._pull = await PullStream(self.nc, self.stream, self.name, self.batch).start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        if self._pull is not None:
-            await self._pull.close()
-        try:
-            await self.js.delete_consumer(self.stream, self.name)
-        except Exception:  # noqa: BLE001 - it expires by itself (inactive_threshold)
-            pass
-
-    async def messages(self, end_seq: int | None = None, follow: bool = False,
-                       stop: asyncio.Event | None = None) -> AsyncIterator[StreamMsg]:
-        """Messages in stream order. Without `follow`: up to `end_seq` (or what was pending
-        when the consumer was made); with it: until `stop` is set."""
-        remaining = self.initial_pending
-        if not follow and remaining == 0:
-            return
-        idle = 0
-        while stop is None or not stop.is_set():
-            batch = await self._pull.next_batch(timeout=0.5)
-            if not batch:
-                idle += 1
-                if not follow and idle >= 4:
-                    info = await self.js.consumer_info(self.stream, self.name)
-                    if info.num_pending == 0:
-                        return  # what was pending is gone (aged out meanwhile)
-                    idle = 0
-                continue
-            idle = 0
-            for msg in batch:
-                meta = msg.metadata
-                item = StreamMsg(meta.sequence.stream, meta.timestamp.timestamp(), msg.subject, msg.data,
-                                 meta.num_pending)
-                yield item
-                remaining -= 1
-                if not follow and (item.pending == 0 or remaining <= 0
-                                   or (end_seq is not None and item.seq >= end_seq)):
-                    return
-
-
-async def read_backward(nc, stream: str, filter_subject: str, first: int, end: int,
-                        enough, window: int = 1024) -> None:
-    """Read `stream` in chunks from `end` back towards `first` (each chunk in stream order),
-    calling `enough(messages of the chunk)` until it returns True: cheap when what is wanted
-    is recent. Chunks grow 4x."""
-    hi = end
-    while hi >= first:
-        lo = max(first, hi - window + 1)
-        chunk = []
-        async with StreamReader(nc, stream, filter_subject, start_seq=lo) as reader:
-            async for msg in reader.messages(end_seq=hi):
-                if msg.seq > hi:
-                    break
-                chunk.append(msg)
-        if enough(chunk):
-            return
-        hi, window = lo - 1, window * 4
 
 
 def events_filter(model: str | None = None, worker: str | None = None) -> str:
@@ -509,7 +397,7 @@ def _check_bounds(report: ReplayReport, at_seq: int | None, at_time: float | Non
             raise ReplayError(f"{iso(at_time)} is in the future")
 
 
-def _apply_message(state: _Rebuild, msg: StreamMsg) -> None:
+def _apply_message(state: _Rebuild, msg: StoredMessage) -> None:
     report = state.report
     report.messages += 1
     try:

@@ -19,8 +19,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from kvtier.consumers.analytics import MessageFeeder, decision_filters, event_filters, read_stream
+from kvtier.consumers.analytics import MessageFeeder, decision_filters, event_filters
 from kvtier.consumers.analytics_model import HIT_TIERS, TIER_NAMES, TierAnalytics
+from kvtier.consumers.pull import read_stream
 from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM
 from kvtier.timefmt import TimeFormatError, iso, parse_time
 
