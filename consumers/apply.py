@@ -21,7 +21,7 @@ import redis
 
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
-from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, page_member, split_member, store_key
+from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, page_member, split_member, store_key
 from kvtier.schemas.subjects import partition_of
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
@@ -461,11 +461,6 @@ async def _cluster_evalsha_pipeline_async(client, script, calls: list) -> list:
             return results
         await client.script_load(script.script)
     raise redis.exceptions.NoScriptError("the apply script could not be loaded on every cluster node")
-
-
-def as_text(value: bytes | str) -> str:
-    """A Redis reply as text, whether the client decodes responses or not."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _now_ms() -> int:

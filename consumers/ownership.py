@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from kvtier.consumers.apply import as_text
+from kvtier.schemas.state_keys import as_text
 
 PROCESSORS_KEY = "kvt:processors"
 

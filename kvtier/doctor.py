@@ -751,9 +751,8 @@ def _hicache_on(meta: WorkerMetadata) -> bool:
 def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
     import redis
 
-    from kvtier.consumers.apply import as_text
     from kvtier.inspect import collect
-    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 
     client = redis_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     token = ModelKeys.for_model(model).model_token if model else None
@@ -1014,8 +1013,7 @@ def _confirm_behind(redis_view: RedisView, nats_view: NatsView, redis_url: str, 
     published in between. Re-read those workers' (epoch, seq, applied_ms) once."""
     import redis
 
-    from kvtier.consumers.apply import as_text
-    from kvtier.schemas.state_keys import ModelKeys
+    from kvtier.schemas.state_keys import ModelKeys, as_text
 
     suspects = [w for w in redis_view.workers
                 if w.key in nats_view.last_messages and _ahead(nats_view.last_messages[w.key], w)]

@@ -42,7 +42,7 @@ import msgspec
 from kvtier.connections import redact, redis_client
 from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
-from kvtier.schemas.state_keys import ModelKeys, page_member
+from kvtier.schemas.state_keys import ModelKeys, as_text, page_member
 from kvtier.schemas.subjects import EVENTS_STREAM, stored_events_subject_pattern
 from kvtier.schemas.tiers import Tier
 
@@ -380,8 +380,6 @@ class Probe:
 
     # -- Redis
     def _redis_state(self) -> dict[str, str]:
-        from kvtier.consumers.apply import as_text
-
         try:
             state = self.redis.hgetall(self.keys.state(self.config.worker_id))
         except Exception as exc:  # noqa: BLE001 - telemetry missing, not fatal

@@ -39,9 +39,9 @@ import msgspec
 import redis
 
 from kvtier.connections import redact, redis_client
-from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
+from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
-from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
+from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
 from kvtier.timefmt import iso, parse_time  # re-exported for explain and events tail

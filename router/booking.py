@@ -8,9 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.consumers.apply import as_text
 from kvtier.schemas.routing import ReleaseStage
-from kvtier.schemas.state_keys import ModelKeys
+from kvtier.schemas.state_keys import ModelKeys, as_text
 
 from .state import load_script
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtier.consumers.apply import as_text
 from kvtier.schemas.health import HashCheck, decode_hash_check
 from kvtier.schemas.routing import TierOverlap
-from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys
+from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
 
 from .hashing import RequestPages
