@@ -737,7 +737,7 @@ def check_hash_check(data: bytes) -> bool:
 
 
 def check_worker_metadata(data: bytes) -> bool:
-    from kvtier.router.hashing import mooncake_object_keys
+    from kvtier.schemas.mooncake import mooncake_object_keys
 
     try:
         meta = decode_worker_metadata(data)
