@@ -28,6 +28,7 @@ import msgspec
 
 from kvtier.connections import redact, redis_client
 from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
+from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.subjects import (
     DECISIONS_STREAM,
     DLQ_STREAM,
@@ -981,11 +982,13 @@ def observe_mooncake(url: str, timeout: float) -> MooncakeView:
                             error=f"GET {probe} answered HTTP {status}: is this the master's metrics port?")
     if "/batch_query_keys" in probe:
         try:
-            reply = json.loads(body)
-        except ValueError:
+            reply = decode_batch_query_reply(body)
+        except msgspec.ValidationError:  # JSON, but not shaped like a query reply
+            reply = None
+        except msgspec.DecodeError:
             return MooncakeView(url=url, reachable=False,
                                 error=f"GET {probe} did not answer JSON: is this the master's metrics port?")
-        if not isinstance(reply, dict) or "success" not in reply:
+        if reply is None or reply.success is msgspec.UNSET:
             return MooncakeView(url=url, reachable=False, error=f"GET {probe} answered an unexpected body")
         return MooncakeView(url=url, reachable=True, detail="/batch_query_keys answers")
     return MooncakeView(url=url, reachable=True, detail=f"GET {parsed.path} answers HTTP 200")

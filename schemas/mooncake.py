@@ -22,7 +22,9 @@ class KeyStatus(msgspec.Struct, frozen=True):
 
 
 class BatchQueryReply(msgspec.Struct, frozen=True):
-    success: bool = False
+    #: UNSET: the body has no `success` at all, so it is not a query reply (another HTTP server
+    #: on that port); falsy like False.
+    success: bool | msgspec.UnsetType = msgspec.UNSET
     data: dict[str, KeyStatus] | None = None
     error: str | None = None
 
