@@ -29,6 +29,7 @@ import msgspec
 from kvtier.connections import redact, redis_client
 from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
 from kvtier.schemas.mooncake import decode_batch_query_reply
+from kvtier.schemas.router_health import RouterHealth, decode_router_health
 from kvtier.schemas.subjects import (
     DECISIONS_STREAM,
     DLQ_STREAM,
@@ -155,7 +156,7 @@ class RouterView(msgspec.Struct, kw_only=True):
     reachable: bool
     error: str = ""
     http_status: int = 0
-    healthz: dict = {}
+    healthz: RouterHealth = RouterHealth()
     #: router_shared_pool_errors_total by reason (None: /metrics unreadable).
     shared_pool_errors: dict[str, float] | None = None
     page_size_mismatches: float | None = None
@@ -260,7 +261,7 @@ def check_streams(nats: NatsView, routers: list[RouterView] = ()) -> list[Findin
         out.append(Finding(check="streams", status=Status.OK, subject=DLQ_STREAM,
                            finding=f"exists ({_n(dlq.messages, 'dead letter')})"))
     decisions = nats.streams.get(DECISIONS_STREAM)
-    logging_routers = [r.url for r in routers if r.reachable and (r.healthz.get("decision_log") or {}).get("enabled")]
+    logging_routers = [r.url for r in routers if r.reachable and r.healthz.decision_log.enabled]
     if decisions is not None and decisions.exists:
         out.append(Finding(check="streams", status=Status.OK, subject=DECISIONS_STREAM,
                            finding=f"{_n(decisions.messages, 'routing decision')} logged"))
@@ -436,10 +437,10 @@ def check_tiers(redis_view: RedisView) -> list[Finding]:
 
 def _router_page_size(router: RouterView) -> tuple[bool, int | None]:
     """(whether the router reports its --page-size, the size: None = trusts each worker's)."""
-    if "page_size" not in router.healthz:
+    value = router.healthz.page_size
+    if value is msgspec.UNSET:
         return False, None
-    value = router.healthz.get("page_size")
-    return True, int(value) if isinstance(value, int) and value > 0 else None
+    return True, value if value is not None and value > 0 else None
 
 
 def check_page_sizes(redis_view: RedisView, routers: list[RouterView]) -> list[Finding]:
@@ -495,8 +496,7 @@ def check_mooncake(mooncake: MooncakeView | None, redis_view: RedisView,
     out = []
     live = [w for w in redis_view.workers if w.live] if redis_view.reachable else []
     with_layout = [w for w in live if w.meta is not None and w.meta.mooncake is not None]
-    shared_routers = [r.url for r in routers
-                      if r.reachable and (r.healthz.get("shared_pool") or {}).get("enabled")]
+    shared_routers = [r.url for r in routers if r.reachable and r.healthz.shared_pool.enabled]
     wanted = bool(with_layout or shared_routers)
     if mooncake is not None:
         if mooncake.reachable:
@@ -557,23 +557,21 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
                                fix="is this a kvtier router? check the --router URL (its --host and --http-port)"))
             continue
         h = r.healthz
-        state = h.get("state_store") or {}
-        shared = h.get("shared_pool") or {}
-        log = h.get("decision_log") or {}
+        state, shared, log = h.state_store, h.shared_pool, h.decision_log
         errors = r.shared_pool_errors or {}
         error_note = ((" (shared-pool errors so far: "
                        + ", ".join(f"{k}={v:.0f}" for k, v in sorted(errors.items())) + ")")
                       if any(errors.values()) else "")
         problems = 0
-        if state and not state.get("ok", True):
+        if not state.ok:
             problems += 1
             out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
-                               finding=f"router cannot reach Redis ({_short(str(state.get('error', '')), 120)}): it "
+                               finding=f"router cannot reach Redis ({_short(state.error, 120)}): it "
                                        "routes by load/round robin only",
                                fix="check the router's --redis URL and the network path to Redis"))
-        if shared.get("last_error"):
+        if shared.last_error:
             problems += 1
-            message = str(shared["last_error"])
+            message = shared.last_error
             timeout = "no answer within" in message
             out.append(Finding(
                 check="router", status=Status.WARN if timeout else Status.FAIL, subject=r.url,
@@ -582,24 +580,24 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
                 fix=("the master is slow: raise --shared-cache-timeout-ms or check the master's load" if timeout else
                      "check that the router's --mooncake-master (the master's HTTP metrics port) is reachable from "
                      "the router host")))
-        if log.get("enabled") and not log.get("connected"):
+        if log.enabled and not log.connected:
             problems += 1
             out.append(Finding(check="router", status=Status.WARN, subject=r.url,
                                finding="router cannot publish its decision log (not connected to NATS)",
                                fix="check the router's --nats URL"))
         if problems:
             continue
-        parts = [str(h.get("routing", "routing")),
-                 "shared pool " + ("on" if shared.get("enabled") else "off"),
-                 "decision log " + ("on" if log.get("enabled") else "off")]
+        parts = [h.routing or "routing",
+                 "shared pool " + ("on" if shared.enabled else "off"),
+                 "decision log " + ("on" if log.enabled else "off")]
         known, size = _router_page_size(r)
         if known:
             parts.append(f"page size {size}" if size else "page size: each worker's")
         hash_note = ""
-        if (h.get("hash_scheme") or {}).get("ok") is False:
+        if not h.hash_scheme.ok:
             hash_note = "; degraded by workers failing the hash check (see hash_scheme)"
         out.append(Finding(check="router", status=Status.OK, subject=r.url,
-                           finding=f"{h.get('status', '?')}: " + ", ".join(parts) + error_note + hash_note))
+                           finding=f"{h.status or '?'}: " + ", ".join(parts) + error_note + hash_note))
     return out
 
 
@@ -956,13 +954,10 @@ def observe_router(url: str, timeout: float) -> RouterView:
         return RouterView(url=url, reachable=False, error=_err(exc))
     view = RouterView(url=url, reachable=True, http_status=status)
     try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict):
-        view.healthz = parsed
-    else:
-        view.error = "not a JSON object: " + (_short(body.decode(errors="replace"), 100) or "empty body")
+        view.healthz = decode_router_health(body)
+    except msgspec.DecodeError as exc:  # ValidationError included: JSON, but not a router's health
+        view.error = (f"not a kvtier router's /healthz body ({exc}): "
+                      + (_short(body.decode(errors="replace"), 100) or "empty body"))
     with contextlib.suppress(Exception):  # metrics are extra detail
         metrics_status, metrics = _http_get(base + "/metrics", timeout)
         if metrics_status == 200:

@@ -70,6 +70,7 @@ from kvtier.schemas.events import (
 from kvtier.schemas.hashes import INT64_MAX, INT64_MIN, BlockHash, sglang_block_hashes
 from kvtier.schemas.health import HashCheck, decode_hash_check, encode_hash_check
 from kvtier.schemas.mooncake import decode_batch_query_reply
+from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import (
     GenerateRequest,
     ReleaseRequest,
@@ -536,6 +537,29 @@ def mooncake_replies(draw):
             "error": draw(st.none() | st.just("x"))}
 
 
+@st.composite
+def router_healths(draw):
+    """Routers' `/healthz` bodies, some without fields (an older router), as `kvtier doctor` reads them."""
+    body: dict = {
+        "status": draw(st.sampled_from(["ok", "degraded"])), "router_id": draw(NAMES),
+        "routing": draw(st.sampled_from(["tier-aware", "load/round-robin (state store unavailable)"])),
+        "state_store": {"ok": draw(st.booleans()), "error": draw(st.text(max_size=10))},
+        "shared_pool": {"enabled": draw(st.booleans()),
+                        "last_error": draw(st.sampled_from(["", "x", "no answer within"]))},
+        "hash_scheme": {"ok": draw(st.booleans()), "mismatched_workers": [
+            {"model": "m", "worker_id": w, "mismatched_pages": draw(st.integers(0, 100)),
+             "checked_pages": draw(st.integers(0, 100)), "kinds": {"hash_scheme": 1}, "explanation": "why"}
+            for w in draw(st.lists(NAMES, max_size=3))]},
+        "partial_workers": [{"model": "m", "worker_id": w} for w in draw(st.lists(NAMES, max_size=3))],
+        "page_size": draw(st.none() | st.integers(1, 256)),
+        "decision_log": {"enabled": draw(st.booleans()), "connected": draw(st.booleans())},
+        "models": draw(st.lists(NAMES, max_size=3)),
+    }
+    for name in draw(st.sets(st.sampled_from(sorted(body)), max_size=3)):
+        del body[name]
+    return body
+
+
 MODEL = "fz-model"
 #: Token lists of a few lengths (0 and over the router's limit included).
 TOKEN_LISTS = st.lists(TOKENS, min_size=1, max_size=40) | st.sampled_from([list(range(1, 65)), []])
@@ -800,6 +824,20 @@ def check_mooncake_reply(data: bytes) -> bool:
     return True
 
 
+def check_router_health(data: bytes) -> bool:
+    from kvtier.doctor import RedisView, RouterView, check_page_sizes, check_routers
+
+    try:
+        health = decode_router_health(data)
+    except MSGSPEC_ERRORS as exc:
+        return _refused(exc)
+    _expect(decode_router_health(msgspec.json.encode(health)) == health, "router health does not round-trip")
+    view = RouterView(url="http://r", reachable=True, http_status=200, healthz=health)
+    check_routers([view])  # what the doctor reads of it
+    check_page_sizes(RedisView(url="redis://r", reachable=True), [view])
+    return True
+
+
 def _route_errors():
     from kvtier.router.service import Refused
 
@@ -877,6 +915,7 @@ def decoder_targets() -> list[Target]:
         Target("sglang_server.server_info", inputs(server_infos(), True), check_server_info),
         Target("sglang_server.l3_layout", inputs(l3_layouts(), True), check_l3_layout),
         Target("mooncake.batch_query_reply", inputs(mooncake_replies(), True), check_mooncake_reply),
+        Target("router_health.healthz", inputs(router_healths(), True), check_router_health),
         Target("routing.route", inputs(route_requests(), True), check_route_request, 2),
         Target("routing.release", inputs(release_requests(), True), check_release_request),
         Target("routing.generate", inputs(generate_requests(), True), check_generate_request),
