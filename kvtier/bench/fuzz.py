@@ -95,6 +95,7 @@ from kvtier.schemas.sglang import (
 from kvtier.schemas.sglang_server import (
     L3CacheLayout,
     ServerInfo,
+    decode_generate_meta_info,
     decode_kv_events_config,
     decode_l3_cache_layout,
     decode_server_info,
@@ -538,6 +539,22 @@ def mooncake_replies(draw):
 
 
 @st.composite
+def generate_replies(draw):
+    """SGLang's (and kvtier sim-worker's) `POST /generate` replies, one or a batch."""
+    details = draw(st.sampled_from([None, {"device": 32, "host": 64},
+                                    {"device": 0, "host": 32, "storage": 64, "storage_backend": "MooncakeStore"},
+                                    {"device": 8, "host": 0, "l3": 0}]))
+    meta: dict = {"prompt_tokens": draw(st.integers(0, 4096)), "cached_tokens": draw(st.integers(0, 4096)),
+                  "e2e_latency": draw(st.floats(0, 10))}
+    if details is not None or draw(st.booleans()):
+        meta["cached_tokens_details"] = details
+    if draw(st.booleans()):
+        meta["ttft_s"] = draw(st.floats(0, 10))
+    reply = {"text": "x", "meta_info": meta}
+    return draw(st.sampled_from([reply, [reply], []]))
+
+
+@st.composite
 def router_healths(draw):
     """Routers' `/healthz` bodies, some without fields (an older router), as `kvtier doctor` reads them."""
     body: dict = {
@@ -824,6 +841,20 @@ def check_mooncake_reply(data: bytes) -> bool:
     return True
 
 
+def check_generate_reply(data: bytes) -> bool:
+    from kvtier.probe import cached_tokens_of, worker_ttft_of
+
+    try:
+        meta = decode_generate_meta_info(data)
+    except MSGSPEC_ERRORS as exc:
+        return _refused(exc)
+    cached = cached_tokens_of(meta)  # what `kvtier probe hicache` reads of it
+    _expect(cached.total is None or isinstance(cached.total, int), "cached tokens are not a count")
+    ttft, field = worker_ttft_of(meta)
+    _expect((ttft is None) == (field == ""), "a TTFT without the field it came from")
+    return True
+
+
 def check_router_health(data: bytes) -> bool:
     from kvtier.doctor import RedisView, RouterView, check_page_sizes, check_routers
 
@@ -914,6 +945,7 @@ def decoder_targets() -> list[Target]:
         Target("worker.metadata", inputs(worker_metadata().map(json_of), True), check_worker_metadata, 1.5),
         Target("sglang_server.server_info", inputs(server_infos(), True), check_server_info),
         Target("sglang_server.l3_layout", inputs(l3_layouts(), True), check_l3_layout),
+        Target("sglang_server.generate_reply", inputs(generate_replies(), True), check_generate_reply),
         Target("mooncake.batch_query_reply", inputs(mooncake_replies(), True), check_mooncake_reply),
         Target("router_health.healthz", inputs(router_healths(), True), check_router_health),
         Target("routing.route", inputs(route_requests(), True), check_route_request, 2),
