@@ -3,8 +3,9 @@ fix it (the troubleshooting table of the Dynamo tier-aware routing guide, made e
 
 Three layers:
 - observe (I/O at the edge): `observe()` reads NATS, Redis, each router's /healthz and /metrics
-  and the Mooncake master into plain views (`NatsView`, `RedisView`, `RouterView`,
-  `MooncakeView`), each probe bounded by a timeout; a probe that fails is recorded, not raised.
+  and the Mooncake master into plain views (`NatsView`, `RedisView` with a `WorkerRecord` per
+  worker, `RouterView`, `MooncakeView`), each probe bounded by a timeout; a probe that fails is
+  recorded, not raised.
 - judge (pure): one small function per check turns views into `Finding`s (status ok / warn /
   fail, a one-line finding, a fix). `diagnose()` runs them all; nothing there does I/O.
 - report: a compact table, then the problems with their fixes; `--json` adds one JSON object
@@ -102,7 +103,10 @@ class NatsView(msgspec.Struct, kw_only=True):
     last_messages: dict[str, LastMessage] = {}
 
 
-class WorkerView(msgspec.Struct, kw_only=True):
+class WorkerRecord(msgspec.Struct, kw_only=True):
+    """One worker's record in Redis (state, lease, metadata, hash check), as observed; part of
+    `RedisView`."""
+
     model: str  # the model token (as in Redis keys)
     worker: str
     lease_left_s: float | None = None
@@ -148,7 +152,7 @@ class RedisView(msgspec.Struct, kw_only=True):
     models: list[str] = []
     #: The model asked for with --model (its token), if any.
     requested_model: str | None = None
-    workers: list[WorkerView] = []
+    workers: list[WorkerRecord] = []
 
 
 class RouterView(msgspec.Struct, kw_only=True):
@@ -198,14 +202,14 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _by_model(workers: Iterable[WorkerView]) -> dict[str, list[WorkerView]]:
-    grouped: dict[str, list[WorkerView]] = {}
+def _by_model(workers: Iterable[WorkerRecord]) -> dict[str, list[WorkerRecord]]:
+    grouped: dict[str, list[WorkerRecord]] = {}
     for w in workers:
         grouped.setdefault(w.model, []).append(w)
     return dict(sorted(grouped.items()))
 
 
-def _names(workers: Iterable[WorkerView], limit: int = 6) -> str:
+def _names(workers: Iterable[WorkerRecord], limit: int = 6) -> str:
     names = [w.worker for w in workers]
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -337,7 +341,7 @@ def check_workers(redis_view: RedisView) -> list[Finding]:
     return out
 
 
-def _ahead(last: LastMessage, w: WorkerView) -> bool:
+def _ahead(last: LastMessage, w: WorkerRecord) -> bool:
     """The stream holds a batch of this worker that Redis has not applied."""
     return last.seq >= 1 and (last.epoch, last.seq) > (w.epoch, w.seq)
 
@@ -451,7 +455,7 @@ def check_page_sizes(redis_view: RedisView, routers: list[RouterView]) -> list[F
     silent = [r.url for r in reachable if not _router_page_size(r)[0]]
     for model, workers in _by_model(redis_view.workers).items():
         live = [w for w in workers if w.live and w.page_size]
-        sizes: dict[int, list[WorkerView]] = {}
+        sizes: dict[int, list[WorkerRecord]] = {}
         for w in live:
             sizes.setdefault(w.page_size, []).append(w)
         if len(sizes) > 1:
@@ -776,7 +780,7 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
             hash_checks = {as_text(k): v for k, v in replies[1].items()}
             for i, row in enumerate(model_rows):
                 tiers_seen, raw_meta = replies[2 + 2 * i], replies[3 + 2 * i]
-                workers.append(_worker_view(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
+                workers.append(_worker_record(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
                                             hash_checks.get(row["worker"])))
         return RedisView(url=redact(url), reachable=True, models=models, requested_model=token, workers=workers)
     except redis.RedisError as exc:
@@ -785,7 +789,7 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
         client.close()
 
 
-def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> WorkerView:
+def _worker_record(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> WorkerRecord:
     meta, hicache, size = None, False, None
     if raw_meta:
         try:
@@ -805,7 +809,7 @@ def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Worke
             check = decode_hash_check(raw_check)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
-    return WorkerView(
+    return WorkerRecord(
         model=row["model"], worker=row["worker"], lease_left_s=row["lease_left_s"], epoch=row["epoch"],
         seq=row["seq"], stale=row["stale"], stale_reason=row["stale_reason"], partial=row["partial"],
         gaps=row["gaps"],
@@ -814,7 +818,7 @@ def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Worke
         page_size=size, meta=meta, hicache=hicache, hash_check=check)
 
 
-async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> NatsView:
+async def observe_nats(url: str, workers: list[WorkerRecord], timeout: float) -> NatsView:
     import ssl
 
     import nats

@@ -45,11 +45,11 @@ pytestmark = pytest.mark.timeout(150)
 
 
 # --- the judging logic on hand-made views (no I/O) ---------------------------------------------
-def _worker(**kw) -> doc.WorkerView:
+def _worker(**kw) -> doc.WorkerRecord:
     base = {"model": "m", "worker": "w0", "lease_left_s": 5.0, "epoch": 10, "seq": 7, "applied_ago_s": 1.0,
             "page_size": 4}
     base.update(kw)
-    return doc.WorkerView(**base)
+    return doc.WorkerRecord(**base)
 
 
 def _redis(*workers, **kw) -> doc.RedisView:
@@ -444,7 +444,7 @@ def _bridge_cursor_ahead(stack) -> str:
     """The (epoch:seq) the bridge announced once it is past what Redis applied, else ''."""
     import asyncio
 
-    view = asyncio.run(doc.observe_nats(stack.nats.url, [doc.WorkerView(model=MODEL_OK, worker="w0")], 2))
+    view = asyncio.run(doc.observe_nats(stack.nats.url, [doc.WorkerRecord(model=MODEL_OK, worker="w0")], 2))
     last = view.last_messages.get(f"{MODEL_OK}/w0")
     state = stack.state(MODEL_OK, "w0")
     if last is None or (last.epoch, last.seq) <= (int(state["epoch"]), int(state["seq"])):
