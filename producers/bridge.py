@@ -29,7 +29,7 @@ from kvtier.producers.convert import convert_batch, encoded_size_bound, source_t
 from kvtier.producers.sglang_source import (
     RawBatch,
     ReplayClient,
-    ReplayError,
+    ReplaySocketError,
     SglangSubscriber,
     SourceSequencer,
     parse_pub_frames,
@@ -238,7 +238,7 @@ class RankBridge:
         assert self.replay is not None
         try:
             return await self.replay.fetch(start)
-        except ReplayError as exc:
+        except ReplaySocketError as exc:
             log.warning("%s: replay failed: %s", self._label, exc)
             return None
 

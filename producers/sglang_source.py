@@ -48,8 +48,8 @@ class SglangSubscriber:
         self.socket.close(0)
 
 
-class ReplayError(RuntimeError):
-    pass
+class ReplaySocketError(RuntimeError):
+    """SGLang's replay socket gave no complete answer in time, or an answer kvtier cannot read."""
 
 
 class ReplayClient:
@@ -75,7 +75,7 @@ class ReplayClient:
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
                 except asyncio.TimeoutError:
-                    raise ReplayError(f"no complete answer from replay socket {self.endpoint} "
+                    raise ReplaySocketError(f"no complete answer from replay socket {self.endpoint} "
                                       f"within {self.timeout_s}s") from None
                 if frames and frames[0] == b"":
                     frames = frames[1:]
@@ -93,7 +93,7 @@ def _split_replay(frames: list[bytes]) -> tuple[bytes, bytes]:
         return frames[1], frames[2]
     if len(frames) == 2:  # seq, payload
         return frames[0], frames[1]
-    raise ReplayError(f"unexpected replay reply with {len(frames)} frames")
+    raise ReplaySocketError(f"unexpected replay reply with {len(frames)} frames")
 
 
 class SourceSequencer:
@@ -137,5 +137,5 @@ class SourceSequencer:
         return seq in self._recent and self._recent[seq] == ts
 
 
-__all__ = ["RawBatch", "SglangSubscriber", "ReplayClient", "ReplayError", "SourceSequencer",
+__all__ = ["RawBatch", "SglangSubscriber", "ReplayClient", "ReplaySocketError", "SourceSequencer",
            "parse_pub_frames", "SEQ_BYTES"]

@@ -47,7 +47,7 @@ from kvtier.consumers.hash_check import HashValidator
 from kvtier.producers.bridge import _chunk_by_pages
 from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp
 from kvtier.producers.sglang_discovery import WorkerFlags, discover
-from kvtier.producers.sglang_source import ReplayError, _split_replay, parse_pub_frames
+from kvtier.producers.sglang_source import ReplaySocketError, _split_replay, parse_pub_frames
 from kvtier.schemas.events import (
     EMPTY_TOKENS,
     AllCleared,
@@ -723,7 +723,7 @@ def check_frames(frames: list[bytes]) -> bool:
     try:
         seq_frame, _payload = _split_replay(frames)
         decode_seq(seq_frame)
-    except (ReplayError, MalformedBatch) as exc:
+    except (ReplaySocketError, MalformedBatch) as exc:
         _refused(exc)
     return accepted
 
