@@ -140,7 +140,10 @@ class WorkerPages:
 
 
 @dataclass
-class ApplyResult:
+class AnalyticsApplyResult:
+    """What `TierAnalytics.apply_batch` made of a batch (the processor's own result is
+    `consumers/apply.py`'s `ApplyResult`)."""
+
     outcome: str  # applied | duplicate | old_epoch
     transitions: int = 0
 
@@ -283,7 +286,7 @@ class TierAnalytics:
         w.expired = False
         self._next_lease_check = min(self._next_lease_check, w.lease_until)
 
-    def apply_batch(self, batch: EventBatch, at: float) -> ApplyResult:
+    def apply_batch(self, batch: EventBatch, at: float) -> AnalyticsApplyResult:
         """Apply one batch received at `at` (the caller's clock: stream or wall time)."""
         self.advance(at)
         w = self.worker(batch.model, batch.worker_id)
@@ -292,12 +295,12 @@ class TierAnalytics:
             if batch.epoch < w.epoch:
                 if count:
                     self.batches[(batch.model, "old_epoch")] += 1
-                return ApplyResult("old_epoch")
+                return AnalyticsApplyResult("old_epoch")
             if batch.epoch == w.epoch:
                 if batch.seq <= w.seq:
                     if count:
                         self.batches[(batch.model, "duplicate")] += 1
-                    return ApplyResult("duplicate")
+                    return AnalyticsApplyResult("duplicate")
                 if batch.seq > w.seq + 1:
                     self._drop_all(w, "gap", at)  # the processor's rebase: cleared, then this batch applied
             else:
@@ -319,7 +322,7 @@ class TierAnalytics:
                 transitions += self._removed(w, _INDEX[event.tier], event.hashes, t, at)
             elif isinstance(event, AllCleared):
                 self._drop_all(w, "cleared", at)
-        return ApplyResult("applied", transitions)
+        return AnalyticsApplyResult("applied", transitions)
 
     def _stored(self, w: WorkerPages, ti: int, hashes: Iterable[int], t: float, at: float) -> int:
         tiers, here, limbo = w.tiers, w.tiers[ti], w.limbo

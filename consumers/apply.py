@@ -9,7 +9,6 @@ if it is the next one, whoever sends it and however often.
 from __future__ import annotations
 
 import enum
-import importlib.resources
 import secrets
 import time
 from collections.abc import Iterable, Sequence
@@ -19,9 +18,10 @@ from typing import cast
 import msgspec
 import redis
 
+from kvtier.lua_scripts import load_lua
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
-from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, page_member, split_member, store_key
+from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, page_member, split_member, store_key
 from kvtier.schemas.subjects import partition_of
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
 
@@ -68,38 +68,13 @@ class ApplyResult:
     rebased: bool = False  # this call cleared the worker and marked it stale (a gap given up on)
 
 
-def _load_script(name: str) -> str:
-    return importlib.resources.files("kvtier.consumers").joinpath(name).read_text()
+_APPLY_LUA = load_lua("kvtier.consumers", "apply.lua")
+_EXPIRE_LUA = load_lua("kvtier.consumers", "expire.lua")
+_FORGET_LUA = load_lua("kvtier.consumers", "forget.lua")
+_CLAIM_LUA = load_lua("kvtier.consumers", "claim_rebuild.lua")
+_ADOPT_LUA = load_lua("kvtier.consumers", "adopt_model.lua")
+_ANNOUNCE_LUA = load_lua("kvtier.consumers", "announce.lua")
 
-
-_APPLY_LUA = _load_script("apply.lua")
-_EXPIRE_LUA = _load_script("expire.lua")
-_FORGET_LUA = _load_script("forget.lua")
-_ANNOUNCE_LUA = _load_script("announce.lua")
-#: Claim the rebuild of a model whose marker is missing (or whose rebuild scan went silent).
-#: KEYS: 1 marker. ARGV: 1 owner, 2 now ms, 3 scan timeout ms, 4 new id.
-#: Returns {outcome, id}: 'created' | 'takeover' (this caller rebuilds) | 'held'.
-_CLAIM_LUA = """
-local m = redis.call('HMGET', KEYS[1], 'id', 'ready', 'scan_ms')
-if not m[1] then
-  redis.call('HSET', KEYS[1], 'id', ARGV[4], 'created_ms', ARGV[2], 'ready', '0', 'rebuilding', '1',
-             'scan_by', ARGV[1], 'scan_ms', ARGV[2])
-  return {'created', ARGV[4]}
-end
-if m[2] ~= '1' and (tonumber(m[3]) or 0) + tonumber(ARGV[3]) < tonumber(ARGV[2]) then
-  redis.call('HSET', KEYS[1], 'scan_by', ARGV[1], 'scan_ms', ARGV[2])
-  return {'takeover', m[1]}
-end
-return {'held', m[1]}
-"""
-#: A model seen for the first time: create its marker ready, unless it has state or a
-#: marker already. KEYS: 1 marker, 2 the model's workers set. ARGV: 1 now ms, 2 new id.
-_ADOPT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'id', ARGV[2], 'created_ms', ARGV[1], 'ready', '1', 'rebuilding', '0',
-           'reason', 'new', 'ready_ms', ARGV[1])
-return 1
-"""
 _STORE, _REMOVE, _CLEAR = "S", "R", "C"
 
 
@@ -461,11 +436,6 @@ async def _cluster_evalsha_pipeline_async(client, script, calls: list) -> list:
             return results
         await client.script_load(script.script)
     raise redis.exceptions.NoScriptError("the apply script could not be loaded on every cluster node")
-
-
-def as_text(value: bytes | str) -> str:
-    """A Redis reply as text, whether the client decodes responses or not."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _now_ms() -> int:

@@ -15,18 +15,13 @@ import time
 
 import redis
 
-from kvtier.consumers.apply import as_text
+from kvtier.lua_scripts import load_lua
+from kvtier.schemas.state_keys import as_text
 
 PROCESSORS_KEY = "kvt:processors"
 
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+_RENEW = load_lua("kvtier.consumers", "renew_partition.lua")
+_RELEASE = load_lua("kvtier.consumers", "release_partition.lua")
 
 
 def partition_key(partition: int) -> str:

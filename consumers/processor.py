@@ -42,7 +42,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvtier.connections import redact, redis_async_client, redis_client
-from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter, as_text
+from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import PullStream, consume
@@ -55,7 +55,7 @@ from kvtier.schemas.events import (
     encode_message,
 )
 from kvtier.schemas.health import decode_hash_check, encode_hash_check
-from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.subjects import (
     EVENTS_PREFIX,
     EVENTS_STREAM,

@@ -3,8 +3,9 @@ fix it (the troubleshooting table of the Dynamo tier-aware routing guide, made e
 
 Three layers:
 - observe (I/O at the edge): `observe()` reads NATS, Redis, each router's /healthz and /metrics
-  and the Mooncake master into plain views (`NatsView`, `RedisView`, `RouterView`,
-  `MooncakeView`), each probe bounded by a timeout; a probe that fails is recorded, not raised.
+  and the Mooncake master into plain views (`NatsView`, `RedisView` with a `WorkerRecord` per
+  worker, `RouterView`, `MooncakeView`), each probe bounded by a timeout; a probe that fails is
+  recorded, not raised.
 - judge (pure): one small function per check turns views into `Finding`s (status ok / warn /
   fail, a one-line finding, a fix). `diagnose()` runs them all; nothing there does I/O.
 - report: a compact table, then the problems with their fixes; `--json` adds one JSON object
@@ -28,6 +29,8 @@ import msgspec
 
 from kvtier.connections import redact, redis_client
 from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
+from kvtier.schemas.mooncake import decode_batch_query_reply
+from kvtier.schemas.router_health import RouterHealth, decode_router_health
 from kvtier.schemas.subjects import (
     DECISIONS_STREAM,
     DLQ_STREAM,
@@ -100,7 +103,10 @@ class NatsView(msgspec.Struct, kw_only=True):
     last_messages: dict[str, LastMessage] = {}
 
 
-class WorkerView(msgspec.Struct, kw_only=True):
+class WorkerRecord(msgspec.Struct, kw_only=True):
+    """One worker's record in Redis (state, lease, metadata, hash check), as observed; part of
+    `RedisView`."""
+
     model: str  # the model token (as in Redis keys)
     worker: str
     lease_left_s: float | None = None
@@ -146,7 +152,7 @@ class RedisView(msgspec.Struct, kw_only=True):
     models: list[str] = []
     #: The model asked for with --model (its token), if any.
     requested_model: str | None = None
-    workers: list[WorkerView] = []
+    workers: list[WorkerRecord] = []
 
 
 class RouterView(msgspec.Struct, kw_only=True):
@@ -154,7 +160,7 @@ class RouterView(msgspec.Struct, kw_only=True):
     reachable: bool
     error: str = ""
     http_status: int = 0
-    healthz: dict = {}
+    healthz: RouterHealth = RouterHealth()
     #: router_shared_pool_errors_total by reason (None: /metrics unreadable).
     shared_pool_errors: dict[str, float] | None = None
     page_size_mismatches: float | None = None
@@ -196,14 +202,14 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _by_model(workers: Iterable[WorkerView]) -> dict[str, list[WorkerView]]:
-    grouped: dict[str, list[WorkerView]] = {}
+def _by_model(workers: Iterable[WorkerRecord]) -> dict[str, list[WorkerRecord]]:
+    grouped: dict[str, list[WorkerRecord]] = {}
     for w in workers:
         grouped.setdefault(w.model, []).append(w)
     return dict(sorted(grouped.items()))
 
 
-def _names(workers: Iterable[WorkerView], limit: int = 6) -> str:
+def _names(workers: Iterable[WorkerRecord], limit: int = 6) -> str:
     names = [w.worker for w in workers]
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -259,7 +265,7 @@ def check_streams(nats: NatsView, routers: list[RouterView] = ()) -> list[Findin
         out.append(Finding(check="streams", status=Status.OK, subject=DLQ_STREAM,
                            finding=f"exists ({_n(dlq.messages, 'dead letter')})"))
     decisions = nats.streams.get(DECISIONS_STREAM)
-    logging_routers = [r.url for r in routers if r.reachable and (r.healthz.get("decision_log") or {}).get("enabled")]
+    logging_routers = [r.url for r in routers if r.reachable and r.healthz.decision_log.enabled]
     if decisions is not None and decisions.exists:
         out.append(Finding(check="streams", status=Status.OK, subject=DECISIONS_STREAM,
                            finding=f"{_n(decisions.messages, 'routing decision')} logged"))
@@ -335,7 +341,7 @@ def check_workers(redis_view: RedisView) -> list[Finding]:
     return out
 
 
-def _ahead(last: LastMessage, w: WorkerView) -> bool:
+def _ahead(last: LastMessage, w: WorkerRecord) -> bool:
     """The stream holds a batch of this worker that Redis has not applied."""
     return last.seq >= 1 and (last.epoch, last.seq) > (w.epoch, w.seq)
 
@@ -435,10 +441,10 @@ def check_tiers(redis_view: RedisView) -> list[Finding]:
 
 def _router_page_size(router: RouterView) -> tuple[bool, int | None]:
     """(whether the router reports its --page-size, the size: None = trusts each worker's)."""
-    if "page_size" not in router.healthz:
+    value = router.healthz.page_size
+    if value is msgspec.UNSET:
         return False, None
-    value = router.healthz.get("page_size")
-    return True, int(value) if isinstance(value, int) and value > 0 else None
+    return True, value if value is not None and value > 0 else None
 
 
 def check_page_sizes(redis_view: RedisView, routers: list[RouterView]) -> list[Finding]:
@@ -449,7 +455,7 @@ def check_page_sizes(redis_view: RedisView, routers: list[RouterView]) -> list[F
     silent = [r.url for r in reachable if not _router_page_size(r)[0]]
     for model, workers in _by_model(redis_view.workers).items():
         live = [w for w in workers if w.live and w.page_size]
-        sizes: dict[int, list[WorkerView]] = {}
+        sizes: dict[int, list[WorkerRecord]] = {}
         for w in live:
             sizes.setdefault(w.page_size, []).append(w)
         if len(sizes) > 1:
@@ -494,8 +500,7 @@ def check_mooncake(mooncake: MooncakeView | None, redis_view: RedisView,
     out = []
     live = [w for w in redis_view.workers if w.live] if redis_view.reachable else []
     with_layout = [w for w in live if w.meta is not None and w.meta.mooncake is not None]
-    shared_routers = [r.url for r in routers
-                      if r.reachable and (r.healthz.get("shared_pool") or {}).get("enabled")]
+    shared_routers = [r.url for r in routers if r.reachable and r.healthz.shared_pool.enabled]
     wanted = bool(with_layout or shared_routers)
     if mooncake is not None:
         if mooncake.reachable:
@@ -556,23 +561,21 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
                                fix="is this a kvtier router? check the --router URL (its --host and --http-port)"))
             continue
         h = r.healthz
-        state = h.get("state_store") or {}
-        shared = h.get("shared_pool") or {}
-        log = h.get("decision_log") or {}
+        state, shared, log = h.state_store, h.shared_pool, h.decision_log
         errors = r.shared_pool_errors or {}
         error_note = ((" (shared-pool errors so far: "
                        + ", ".join(f"{k}={v:.0f}" for k, v in sorted(errors.items())) + ")")
                       if any(errors.values()) else "")
         problems = 0
-        if state and not state.get("ok", True):
+        if not state.ok:
             problems += 1
             out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
-                               finding=f"router cannot reach Redis ({_short(str(state.get('error', '')), 120)}): it "
+                               finding=f"router cannot reach Redis ({_short(state.error, 120)}): it "
                                        "routes by load/round robin only",
                                fix="check the router's --redis URL and the network path to Redis"))
-        if shared.get("last_error"):
+        if shared.last_error:
             problems += 1
-            message = str(shared["last_error"])
+            message = shared.last_error
             timeout = "no answer within" in message
             out.append(Finding(
                 check="router", status=Status.WARN if timeout else Status.FAIL, subject=r.url,
@@ -581,24 +584,24 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
                 fix=("the master is slow: raise --shared-cache-timeout-ms or check the master's load" if timeout else
                      "check that the router's --mooncake-master (the master's HTTP metrics port) is reachable from "
                      "the router host")))
-        if log.get("enabled") and not log.get("connected"):
+        if log.enabled and not log.connected:
             problems += 1
             out.append(Finding(check="router", status=Status.WARN, subject=r.url,
                                finding="router cannot publish its decision log (not connected to NATS)",
                                fix="check the router's --nats URL"))
         if problems:
             continue
-        parts = [str(h.get("routing", "routing")),
-                 "shared pool " + ("on" if shared.get("enabled") else "off"),
-                 "decision log " + ("on" if log.get("enabled") else "off")]
+        parts = [h.routing or "routing",
+                 "shared pool " + ("on" if shared.enabled else "off"),
+                 "decision log " + ("on" if log.enabled else "off")]
         known, size = _router_page_size(r)
         if known:
             parts.append(f"page size {size}" if size else "page size: each worker's")
         hash_note = ""
-        if (h.get("hash_scheme") or {}).get("ok") is False:
+        if not h.hash_scheme.ok:
             hash_note = "; degraded by workers failing the hash check (see hash_scheme)"
         out.append(Finding(check="router", status=Status.OK, subject=r.url,
-                           finding=f"{h.get('status', '?')}: " + ", ".join(parts) + error_note + hash_note))
+                           finding=f"{h.status or '?'}: " + ", ".join(parts) + error_note + hash_note))
     return out
 
 
@@ -751,9 +754,8 @@ def _hicache_on(meta: WorkerMetadata) -> bool:
 def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
     import redis
 
-    from kvtier.consumers.apply import as_text
     from kvtier.inspect import collect
-    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 
     client = redis_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     token = ModelKeys.for_model(model).model_token if model else None
@@ -778,7 +780,7 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
             hash_checks = {as_text(k): v for k, v in replies[1].items()}
             for i, row in enumerate(model_rows):
                 tiers_seen, raw_meta = replies[2 + 2 * i], replies[3 + 2 * i]
-                workers.append(_worker_view(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
+                workers.append(_worker_record(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
                                             hash_checks.get(row["worker"])))
         return RedisView(url=redact(url), reachable=True, models=models, requested_model=token, workers=workers)
     except redis.RedisError as exc:
@@ -787,7 +789,7 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
         client.close()
 
 
-def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> WorkerView:
+def _worker_record(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> WorkerRecord:
     meta, hicache, size = None, False, None
     if raw_meta:
         try:
@@ -807,7 +809,7 @@ def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Worke
             check = decode_hash_check(raw_check)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
-    return WorkerView(
+    return WorkerRecord(
         model=row["model"], worker=row["worker"], lease_left_s=row["lease_left_s"], epoch=row["epoch"],
         seq=row["seq"], stale=row["stale"], stale_reason=row["stale_reason"], partial=row["partial"],
         gaps=row["gaps"],
@@ -816,7 +818,7 @@ def _worker_view(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Worke
         page_size=size, meta=meta, hicache=hicache, hash_check=check)
 
 
-async def observe_nats(url: str, workers: list[WorkerView], timeout: float) -> NatsView:
+async def observe_nats(url: str, workers: list[WorkerRecord], timeout: float) -> NatsView:
     import ssl
 
     import nats
@@ -956,13 +958,10 @@ def observe_router(url: str, timeout: float) -> RouterView:
         return RouterView(url=url, reachable=False, error=_err(exc))
     view = RouterView(url=url, reachable=True, http_status=status)
     try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict):
-        view.healthz = parsed
-    else:
-        view.error = "not a JSON object: " + (_short(body.decode(errors="replace"), 100) or "empty body")
+        view.healthz = decode_router_health(body)
+    except msgspec.DecodeError as exc:  # ValidationError included: JSON, but not a router's health
+        view.error = (f"not a kvtier router's /healthz body ({exc}): "
+                      + (_short(body.decode(errors="replace"), 100) or "empty body"))
     with contextlib.suppress(Exception):  # metrics are extra detail
         metrics_status, metrics = _http_get(base + "/metrics", timeout)
         if metrics_status == 200:
@@ -982,11 +981,13 @@ def observe_mooncake(url: str, timeout: float) -> MooncakeView:
                             error=f"GET {probe} answered HTTP {status}: is this the master's metrics port?")
     if "/batch_query_keys" in probe:
         try:
-            reply = json.loads(body)
-        except ValueError:
+            reply = decode_batch_query_reply(body)
+        except msgspec.ValidationError:  # JSON, but not shaped like a query reply
+            reply = None
+        except msgspec.DecodeError:
             return MooncakeView(url=url, reachable=False,
                                 error=f"GET {probe} did not answer JSON: is this the master's metrics port?")
-        if not isinstance(reply, dict) or "success" not in reply:
+        if reply is None or reply.success is msgspec.UNSET:
             return MooncakeView(url=url, reachable=False, error=f"GET {probe} answered an unexpected body")
         return MooncakeView(url=url, reachable=True, detail="/batch_query_keys answers")
     return MooncakeView(url=url, reachable=True, detail=f"GET {parsed.path} answers HTTP 200")
@@ -1014,8 +1015,7 @@ def _confirm_behind(redis_view: RedisView, nats_view: NatsView, redis_url: str, 
     published in between. Re-read those workers' (epoch, seq, applied_ms) once."""
     import redis
 
-    from kvtier.consumers.apply import as_text
-    from kvtier.schemas.state_keys import ModelKeys
+    from kvtier.schemas.state_keys import ModelKeys, as_text
 
     suspects = [w for w in redis_view.workers
                 if w.key in nats_view.last_messages and _ahead(nats_view.last_messages[w.key], w)]

@@ -31,8 +31,8 @@ import msgspec
 from kvtier.connections import redis_async_client
 from kvtier.consumers.pull import read_backward
 from kvtier.replay import (
-    ReplayError,
     RetentionBoundary,
+    StreamReplayError,
     connect,
     iso,
     message_time,
@@ -346,7 +346,7 @@ async def _explain(args) -> tuple[int, dict]:
     try:
         try:
             found = await find_decision(nc, args.request_id, args.model)
-        except ReplayError as exc:
+        except StreamReplayError as exc:
             return _not_found(args, str(exc))
         if found.decision is None:
             scope = f" for model {args.model}" if args.model else ""
@@ -372,8 +372,8 @@ async def _explain(args) -> tuple[int, dict]:
             try:
                 report = await rebuild(args.nats, scratch, model=decision.model, at_time=decision.ts, nc=nc)
             except RetentionBoundary as exc:
-                raise ReplayError(f"cannot rebuild the state at the decision's moment ({iso(decision.ts)}): {exc}") \
-                    from None
+                raise StreamReplayError(f"cannot rebuild the state at the decision's moment ({iso(decision.ts)}): "
+                                        f"{exc}") from None
             client = redis_async_client(args.redis, socket_timeout=10)
             try:
                 await seed_recorded_predictions(client, scratch.root, decision)
@@ -404,7 +404,7 @@ def _not_found(args, message: str) -> tuple[int, dict]:
 
 def run_explain(args) -> int:
     if not args.nats or not args.redis:
-        raise ReplayError("kvtier replay explain needs --nats URL and --redis URL (or KVTIER_NATS, KVTIER_REDIS)")
+        raise StreamReplayError("kvtier replay explain needs --nats URL and --redis URL (or KVTIER_NATS, KVTIER_REDIS)")
     started = time.monotonic()
     code, result = asyncio.run(_explain(args))
     if args.json:

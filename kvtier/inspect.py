@@ -9,8 +9,7 @@ import time
 import redis
 
 from kvtier.connections import redis_client
-from kvtier.consumers.apply import as_text
-from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.tiers import TIER_PRIORITY
 
 

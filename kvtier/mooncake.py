@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -27,7 +26,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import msgspec
+
 from kvtier.embedded import MissingServerBinary, ServerStartError, _Server, free_port
+from kvtier.schemas.mooncake import decode_batch_query_reply
 
 # Measured with 0.3.13.post1 on loopback, keys of 66 characters (64-hex digest + "_0_k"): the
 # master's HTTP server has no practical URL limit — one GET with 400,000 keys (a 27.6 MB URL)
@@ -194,8 +196,8 @@ class MooncakeMaster(_Server):
         # answer here means the whole master is serving.
         try:
             with urllib.request.urlopen(f"{self.http_url}/batch_query_keys?keys=probe", timeout=0.5) as response:
-                return "success" in json.loads(response.read())
-        except (OSError, ValueError):
+                return decode_batch_query_reply(response.read()).success is not msgspec.UNSET
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             return False
 
 
@@ -218,16 +220,20 @@ def query_keys(http_url: str, keys: list[str], timeout: float = 2.0) -> dict[str
             urllib.parse.quote(key, safe="") for key in batch)
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:
-                body = json.loads(response.read())
+                raw = response.read()
         except urllib.error.HTTPError as exc:
             raise MooncakeError(f"GET {http_url}/batch_query_keys: HTTP {exc.code}: "
                                 f"{exc.read()[:300].decode(errors='replace')}") from None
-        if not body.get("success"):
-            raise MooncakeError(f"GET {http_url}/batch_query_keys failed: {body.get('error')!r}")
-        data = body.get("data") or {}
+        try:
+            reply = decode_batch_query_reply(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MooncakeError(f"GET {http_url}/batch_query_keys: unreadable reply ({exc}): {raw[:300]!r}") from None
+        if not reply.success:
+            raise MooncakeError(f"GET {http_url}/batch_query_keys failed: {reply.error!r}")
+        data = reply.data or {}
         for key in batch:
             entry = data.get(key)
-            result[key] = bool(entry and entry.get("ok"))
+            result[key] = bool(entry and entry.ok)
     return result
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import random
 import secrets
@@ -42,7 +41,8 @@ import msgspec
 from kvtier.connections import redact, redis_client
 from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
-from kvtier.schemas.state_keys import ModelKeys, page_member
+from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
+from kvtier.schemas.state_keys import ModelKeys, as_text, page_member
 from kvtier.schemas.subjects import EVENTS_STREAM, stored_events_subject_pattern
 from kvtier.schemas.tiers import Tier
 
@@ -82,29 +82,24 @@ class CachedTokens(msgspec.Struct, frozen=True, kw_only=True):
     storage: int | None = None
 
 
-def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def cached_tokens_of(meta_info: dict) -> CachedTokens:
-    details = meta_info.get("cached_tokens_details")
-    total = _int_or_none(meta_info.get("cached_tokens"))
-    if isinstance(details, dict):
-        device = _int_or_none(details.get("device")) or 0
-        host = _int_or_none(details.get("host")) or 0
-        storage = _int_or_none(details.get("storage", details.get("l3")))
+def cached_tokens_of(meta_info: GenerateMetaInfo) -> CachedTokens:
+    details = meta_info.cached_tokens_details
+    total = meta_info.cached_tokens
+    if details is not None:
+        device = details.device or 0
+        host = details.host or 0
+        storage = details.storage if details.storage is not None else details.l3
         if total is None:
             total = device + host + (storage or 0)
         return CachedTokens(total=total, details=True, device=device, host=host, storage=storage)
     return CachedTokens(total=total)
 
 
-def worker_ttft_of(meta_info: dict) -> tuple[float | None, str]:
+def worker_ttft_of(meta_info: GenerateMetaInfo) -> tuple[float | None, str]:
     """The worker's own time to first token, and where it was read: `ttft_s` (sim-worker),
     else `e2e_latency` (SGLang; with max_new_tokens=1 the first token is the last)."""
-    for key in ("ttft_s", "ttft", "e2e_latency"):
-        value = meta_info.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    for key, value in (("ttft_s", meta_info.ttft_s), ("ttft", meta_info.ttft), ("e2e_latency", meta_info.e2e_latency)):
+        if value is not None:
             return float(value), key
     return None, ""
 
@@ -215,7 +210,7 @@ def judge(ev: Evidence) -> Judgement:
 
 def collect_evidence(*, series: str, page_size: int, prompt: Sequence[int], prefix_pages: int,
                      before: dict[BlockHash, set[Tier]] | None, batches: Iterable[EventBatch],
-                     event_stream: bool, meta_info: dict, wall_ttft_s: float,
+                     event_stream: bool, meta_info: GenerateMetaInfo, wall_ttft_s: float,
                      notes: Sequence[str] = ()) -> Evidence:
     """Evidence of one request (pure): `before` is the prompt's pages in Redis before it
     (None: no trustworthy tier state), `batches` the worker's batches published after it was sent."""
@@ -380,8 +375,6 @@ class Probe:
 
     # -- Redis
     def _redis_state(self) -> dict[str, str]:
-        from kvtier.consumers.apply import as_text
-
         try:
             state = self.redis.hgetall(self.keys.state(self.config.worker_id))
         except Exception as exc:  # noqa: BLE001 - telemetry missing, not fatal
@@ -458,7 +451,7 @@ class Probe:
             return 0
 
     # -- HTTP
-    async def _generate(self, session, tokens: list[int]) -> tuple[dict, float]:
+    async def _generate(self, session, tokens: list[int]) -> tuple[GenerateMetaInfo, float]:
         import aiohttp
 
         body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
@@ -473,13 +466,12 @@ class Probe:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ProbeError(f"cannot reach the worker at {self.url}/generate: {exc or type(exc).__name__}") from exc
         try:
-            answer = json.loads(raw)
-        except ValueError as exc:
+            return decode_generate_meta_info(raw), elapsed
+        except msgspec.ValidationError as exc:
+            raise ProbeError(f"{self.url}/generate answered JSON that is not SGLang's reply ({exc}): "
+                             f"{raw[:200]!r}") from exc
+        except msgspec.DecodeError as exc:
             raise ProbeError(f"{self.url}/generate did not answer JSON: {raw[:200]!r}") from exc
-        if isinstance(answer, list) and answer:
-            answer = answer[0]
-        meta = answer.get("meta_info") if isinstance(answer, dict) else None
-        return (meta if isinstance(meta, dict) else {}), elapsed
 
     async def _series(self, session, name: str, what: str, prompt: list[int], prefix_pages: int,
                       page_size: int) -> SeriesReport:

@@ -38,10 +38,10 @@ import msgspec
 import redis
 
 from kvtier.connections import redact, redis_client
-from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter, as_text
+from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.consumers.pull import StoredMessage, StreamReader
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
-from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, models_key, split_member
+from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
 from kvtier.timefmt import iso, parse_time  # re-exported for explain and events tail
@@ -53,11 +53,12 @@ CHUNK_TRANSITIONS = 4096
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 
-class ReplayError(ValueError):
-    """A replay that cannot be done as asked; the message says why and what to do."""
+class StreamReplayError(ValueError):
+    """A `kvtier replay` of the events stream that cannot be done as asked; the message says why
+    and what to do. (An engine's replay socket failing is the bridge's `ReplaySocketError`.)"""
 
 
-class RetentionBoundary(ReplayError):
+class RetentionBoundary(StreamReplayError):
     """The requested point is older than the first message the stream still holds."""
 
 
@@ -69,7 +70,7 @@ async def connect(url: str):
         return await connect_once(url, "kvtier-replay", connect_timeout=5, max_reconnect_attempts=2,
                                   allow_reconnect=True)
     except NatsConnectError as exc:  # one clear line, no secret in it
-        raise ReplayError(str(exc)) from None
+        raise StreamReplayError(str(exc)) from None
 
 
 async def stream_bounds(js, stream: str) -> tuple[int, int, int]:
@@ -79,7 +80,7 @@ async def stream_bounds(js, stream: str) -> tuple[int, int, int]:
     try:
         info = await js.stream_info(stream)
     except nats.js.errors.NotFoundError:
-        raise ReplayError(f"stream {stream} does not exist on this NATS server: nothing was ever published "
+        raise StreamReplayError(f"stream {stream} does not exist on this NATS server: nothing was ever published "
                           "to it (or it was deleted)") from None
     return info.state.first_seq, info.state.last_seq, info.state.messages
 
@@ -168,13 +169,13 @@ def _client_for_db(redis_url: str, db: int) -> redis.Redis:
         parts = parts._replace(path=f"/{db}", query=urlencode(query))
     client = redis_client(urlunsplit(parts), socket_timeout=10)
     if _db_of(client) != db:
-        raise ReplayError(f"could not address database {db} through {redact(redis_url)}")
+        raise StreamReplayError(f"could not address database {db} through {redact(redis_url)}")
     return client
 
 
 def _check_namespace(name: str) -> str:
     if not _NAMESPACE_RE.match(name):
-        raise ReplayError(f"namespace {name!r} must be 1-64 letters, digits, '_' or '-'")
+        raise StreamReplayError(f"namespace {name!r} must be 1-64 letters, digits, '_' or '-'")
     return name
 
 
@@ -187,19 +188,20 @@ def scratch_target(redis_url: str, into: str | None = None, into_db: int | None 
         except redis.ResponseError:
             cluster = 0
         if int(cluster or 0):
-            raise ReplayError("--into-db needs SELECT, which Redis Cluster does not have (database 0 only); "
+            raise StreamReplayError("--into-db needs SELECT, which Redis Cluster does not have (database 0 only); "
                               "use --into NAMESPACE instead")
         if into_db == _db_of(live):
-            raise ReplayError(f"--into-db {into_db} is the live database of {redact(redis_url)}: pick another one")
+            raise StreamReplayError(f"--into-db {into_db} is the live database of {redact(redis_url)}: "
+                                    "pick another one")
         scratch = Scratch(_client_for_db(redis_url, into_db), _check_namespace(into or DEFAULT_ROOT), into_db)
     else:
         root = _check_namespace(into or SCRATCH_PREFIX + secrets.token_hex(4))
         if root == DEFAULT_ROOT:
-            raise ReplayError(f"namespace {DEFAULT_ROOT!r} is the live tier state: replay into another one")
+            raise StreamReplayError(f"namespace {DEFAULT_ROOT!r} is the live tier state: replay into another one")
         scratch = Scratch(live, root, None)
     held = scratch.count()
     if held:
-        raise ReplayError(f"{scratch.label} already holds {held} keys; drop it first "
+        raise StreamReplayError(f"{scratch.label} already holds {held} keys; drop it first "
                           f"(kvtier replay --drop {scratch.root}"
                           + (f" --into-db {into_db}" if into_db is not None else "") + ") or pick another")
     return scratch
@@ -208,10 +210,10 @@ def scratch_target(redis_url: str, into: str | None = None, into_db: int | None 
 def drop_namespace(redis_url: str, namespace: str, into_db: int | None = None) -> tuple[Scratch, int]:
     _check_namespace(namespace)
     if into_db is None and namespace == DEFAULT_ROOT:
-        raise ReplayError(f"refusing to drop {DEFAULT_ROOT!r}: that is the live tier state")
+        raise StreamReplayError(f"refusing to drop {DEFAULT_ROOT!r}: that is the live tier state")
     live = redis_client(redis_url, socket_timeout=10)
     if into_db is not None and into_db == _db_of(live):
-        raise ReplayError(f"--into-db {into_db} is the live database of {redact(redis_url)}: refusing to drop it")
+        raise StreamReplayError(f"--into-db {into_db} is the live database of {redact(redis_url)}: refusing to drop it")
     client = live if into_db is None else _client_for_db(redis_url, into_db)
     scratch = Scratch(client, namespace, into_db)
     return scratch, scratch.drop()
@@ -336,7 +338,7 @@ async def rebuild(nats_url: str, scratch: Scratch, *, model: str | None = None, 
     """Rebuild tier state (one model, one worker or all) as of stream seq `at_seq` or time
     `at_time` (neither: the last message now in the stream) into `scratch`."""
     if at_seq is not None and at_time is not None:
-        raise ReplayError("give --at-seq or --at-time, not both")
+        raise StreamReplayError("give --at-seq or --at-time, not both")
     report = ReplayReport(namespace=scratch.root, db=scratch.db, model=model, worker=worker)
     own = nc is None
     nc = nc or await connect(nats_url)
@@ -382,19 +384,19 @@ def _check_bounds(report: ReplayReport, at_seq: int | None, at_time: float | Non
                 "--stream-max-bytes)")
     if at_seq is not None:
         if at_seq < 1:
-            raise ReplayError("--at-seq must be >= 1")
+            raise StreamReplayError("--at-seq must be >= 1")
         if count == 0 or at_seq < first:
             raise RetentionBoundary(f"seq {at_seq} is older than the first retained message: {retained}"
                                     if count else f"the stream holds no messages (last seq was {last})")
         if at_seq > last:
-            raise ReplayError(f"seq {at_seq} is past the stream's last message (seq {last})")
+            raise StreamReplayError(f"seq {at_seq} is past the stream's last message (seq {last})")
     if at_time is not None:
         if count == 0:
             raise RetentionBoundary(f"the stream holds no messages (last seq was {last}); nothing to replay")
         if first_time is not None and at_time < first_time:
             raise RetentionBoundary(f"{iso(at_time)} is older than the first retained message: {retained}")
         if at_time > time.time() + 1:
-            raise ReplayError(f"{iso(at_time)} is in the future")
+            raise StreamReplayError(f"{iso(at_time)} is in the future")
 
 
 def _apply_message(state: _Rebuild, msg: StoredMessage) -> None:
@@ -514,18 +516,18 @@ def print_states(states: dict[tuple[str, str], WorkerState], now_ms: float) -> N
 def run_replay(args) -> int:
     """`kvtier replay` (kvtier/cli.py sends `kvtier replay explain` to kvtier/explain.py's run_explain)."""
     if not args.redis:
-        raise ReplayError("kvtier replay needs --redis URL (or KVTIER_REDIS)")
+        raise StreamReplayError("kvtier replay needs --redis URL (or KVTIER_REDIS)")
     if args.drop is not None:
         namespace = args.drop or (DEFAULT_ROOT if args.into_db is not None else "")
         if not namespace:
-            raise ReplayError("--drop needs a NAMESPACE (or --into-db N to drop the kvt keys of database N)")
+            raise StreamReplayError("--drop needs a NAMESPACE (or --into-db N to drop the kvt keys of database N)")
         scratch, n = drop_namespace(args.redis, namespace, args.into_db)
         print(f"dropped {n} keys of {scratch.label}")
         if args.json:
             print(json.dumps({"dropped": n, "namespace": namespace, "db": args.into_db}))
         return 0
     if not args.nats:
-        raise ReplayError("kvtier replay needs --nats URL (or KVTIER_NATS)")
+        raise StreamReplayError("kvtier replay needs --nats URL (or KVTIER_NATS)")
     at_time = parse_time(args.at_time) if args.at_time is not None else None
     scratch = scratch_target(args.redis, args.into, args.into_db)
     started = time.monotonic()

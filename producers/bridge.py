@@ -29,7 +29,7 @@ from kvtier.producers.convert import convert_batch, encoded_size_bound, source_t
 from kvtier.producers.sglang_source import (
     RawBatch,
     ReplayClient,
-    ReplayError,
+    ReplaySocketError,
     SglangSubscriber,
     SourceSequencer,
     parse_pub_frames,
@@ -244,7 +244,7 @@ class RankBridge:
         for attempt in range(1, attempts + 1):
             try:
                 return await self.replay.fetch(start, timeout_s)
-            except ReplayError as exc:
+            except ReplaySocketError as exc:
                 if attempt == attempts:
                     log.warning("%s: replay failed: %s", self._label, exc)
                     return None

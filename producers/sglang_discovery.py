@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier.schemas.hashes import PageDigest
+from kvtier.schemas.mooncake import mooncake_object_keys
 from kvtier.schemas.sglang_server import (
     KvEventsDescriptor,
     L3CacheLayout,
@@ -304,8 +305,6 @@ def _mooncake(info: ServerInfo, layout: L3CacheLayout | None, flags: WorkerFlags
 
 def _unsupported(layout: L3CacheLayout, candidate: MooncakeLayout, page_size: int) -> str | None:
     """Why kvtier's key check would not match what SGLang needs for an L3 hit, or None."""
-    from kvtier.router.hashing import mooncake_object_keys
-
     if layout.backend not in (None, "mooncake"):
         return f"SGLang's L3 layout is for backend {layout.backend!r}"
     if layout.page_size is not None and layout.page_size != page_size:

@@ -48,8 +48,8 @@ class SglangSubscriber:
         self.socket.close(0)
 
 
-class ReplayError(RuntimeError):
-    pass
+class ReplaySocketError(RuntimeError):
+    """SGLang's replay socket gave no complete answer in time, or an answer kvtier cannot read."""
 
 
 class ReplayClient:
@@ -65,7 +65,7 @@ class ReplayClient:
         self.timeout_s = timeout_s
 
     async def fetch(self, start_seq: int, timeout_s: float | None = None) -> list[RawBatch]:
-        """Every buffered batch from `start_seq`; ReplayError if no frame comes for
+        """Every buffered batch from `start_seq`; ReplaySocketError if no frame comes for
         `timeout_s` (default: the client's)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         sock = self.ctx.socket(zmq.DEALER)
@@ -78,8 +78,8 @@ class ReplayClient:
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
                 except asyncio.TimeoutError:
-                    raise ReplayError(f"no complete answer from replay socket {self.endpoint} "
-                                      f"within {timeout_s:g}s") from None
+                    raise ReplaySocketError(f"no complete answer from replay socket {self.endpoint} "
+                                            f"within {timeout_s:g}s") from None
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 seq_frame, payload = _split_replay(frames)
@@ -96,7 +96,7 @@ def _split_replay(frames: list[bytes]) -> tuple[bytes, bytes]:
         return frames[1], frames[2]
     if len(frames) == 2:  # seq, payload
         return frames[0], frames[1]
-    raise ReplayError(f"unexpected replay reply with {len(frames)} frames")
+    raise ReplaySocketError(f"unexpected replay reply with {len(frames)} frames")
 
 
 class SourceSequencer:
@@ -140,5 +140,5 @@ class SourceSequencer:
         return seq in self._recent and self._recent[seq] == ts
 
 
-__all__ = ["RawBatch", "SglangSubscriber", "ReplayClient", "ReplayError", "SourceSequencer",
+__all__ = ["RawBatch", "SglangSubscriber", "ReplayClient", "ReplaySocketError", "SourceSequencer",
            "parse_pub_frames", "SEQ_BYTES"]

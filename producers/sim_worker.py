@@ -126,7 +126,7 @@ class MooncakeStorePool:
         self._written = 0
 
     def _keys(self, digest: PageDigest) -> list[str]:
-        from kvtier.router.hashing import mooncake_object_keys
+        from kvtier.schemas.mooncake import mooncake_object_keys
 
         return mooncake_object_keys(digest, self.layout)
 

@@ -8,13 +8,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.consumers.apply import as_text
+from kvtier.lua_scripts import load_lua
 from kvtier.schemas.routing import ReleaseStage
-from kvtier.schemas.state_keys import ModelKeys
+from kvtier.schemas.state_keys import ModelKeys, as_text
 
-from .state import load_script
-
-_COMMON = load_script("bookings.lua")
+_COMMON = load_lua("kvtier.router", "bookings.lua")
 SWEEP_LIMIT = 256
 
 
@@ -47,9 +45,9 @@ def _now_ms() -> int:
 class LoadBook:
     def __init__(self, client, booking_ttl_s: float = 600.0):
         """`client`: a redis.asyncio client."""
-        self._select = client.register_script(_COMMON + load_script("select_and_book.lua"))
-        self._release = client.register_script(_COMMON + load_script("release.lua"))
-        self._reconcile = client.register_script(_COMMON + load_script("reconcile_loads.lua"))
+        self._select = client.register_script(_COMMON + load_lua("kvtier.router", "select_and_book.lua"))
+        self._release = client.register_script(_COMMON + load_lua("kvtier.router", "release.lua"))
+        self._reconcile = client.register_script(_COMMON + load_lua("kvtier.router", "reconcile_loads.lua"))
         self.ttl_ms = int(booking_ttl_s * 1000)
 
     async def select_and_book(self, model: str, request_id: str, request_pages: int, decode_pages: int,

@@ -1,6 +1,6 @@
 """A request's pages as the worker sees them: SGLang's page hash chain over the request's
-token ids (so the router finds exactly the pages the worker reported), and the Mooncake
-object keys SGLang HiCache writes for each page."""
+token ids, so the router finds exactly the pages the worker reported. (The Mooncake object
+keys of a page are `schemas/mooncake.py`'s `mooncake_object_keys`.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, sglang_page_digests
-from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
 
 @dataclass(frozen=True)
@@ -39,29 +38,3 @@ class RequestPages:
     @property
     def hashes(self) -> tuple[BlockHash, ...]:
         return tuple(BlockHash(h) for h in struct.unpack(f">{len(self.digests)}q", bytes.fromhex(self.keys_blob)))
-
-
-def mooncake_object_keys(digest: PageDigest, layout: MooncakeLayout) -> list[str]:
-    """Every object SGLang HiCache stores in Mooncake for one page under `layout`; the page is
-    in the shared pool only if all of them exist.
-
-    MHA: K and V per TP rank, "{hex}_{tp}_k" / "{hex}_{tp}_v" ("{tp}_{pp}" when PP > 1).
-    MLA: one latent object shared by the TP ranks, "{hex}__k"; "{hex}_{pp}_k" per PP rank
-    when PP > 1.
-    An optional key prefix is joined with "_".
-    """
-    stem = digest.hex()
-    if layout.key_prefix:
-        stem = f"{layout.key_prefix}_{stem}"
-    pp_ranks = range(layout.pp_size)
-    if layout.attention == AttentionKind.MLA:
-        if layout.pp_size == 1:
-            return [f"{stem}__k"]
-        return [f"{stem}_{pp}_k" for pp in pp_ranks]
-    keys: list[str] = []
-    for tp in range(layout.tp_size):
-        for pp in pp_ranks:
-            rank = f"{tp}" if layout.pp_size == 1 else f"{tp}_{pp}"
-            keys.append(f"{stem}_{rank}_k")
-            keys.append(f"{stem}_{rank}_v")
-    return keys

@@ -26,6 +26,15 @@ from aiohttp import ClientSession, ClientTimeout, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.schemas.limits import guarded
+from kvtier.schemas.router_health import (
+    DecisionLogHealth,
+    HashSchemeHealth,
+    MismatchedWorker,
+    PartialWorker,
+    RouterHealth,
+    SharedPoolHealth,
+    StateStoreHealth,
+)
 from kvtier.schemas.routing import (
     ErrorBody,
     GenerateRequest,
@@ -190,39 +199,34 @@ class RouterService:
             await asyncio.wait_for(router.redis.ping(), 0.5)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             state_ok, state_error = False, f"{type(exc).__name__}: {exc}"
-        shared = {"enabled": router.settings.shared_cache and router.shared_pool is not None,
-                  "last_error": router.last_shared_pool_error}
+        shared = SharedPoolHealth(enabled=router.settings.shared_cache and router.shared_pool is not None,
+                                  last_error=router.last_shared_pool_error)
         mismatches = router.hash_mismatches
         if state_ok:
             try:
                 mismatches = await asyncio.wait_for(router.refresh_hash_mismatches(), 0.5)
             except Exception as exc:  # noqa: BLE001 - health reports, it does not fail
                 log.warning("reading hash checks failed: %s", exc)
-        hash_scheme = {
-            "ok": not mismatches,
-            "mismatched_workers": [
-                {"model": model, "worker_id": check.worker_id, "mismatched_pages": check.mismatched,
-                 "checked_pages": check.checked, "kinds": check.mismatch_kinds, "explanation": check.explanation}
-                for model, check in mismatches],
-        }
+        hash_scheme = HashSchemeHealth(ok=not mismatches, mismatched_workers=[
+            MismatchedWorker(model=model, worker_id=check.worker_id, mismatched_pages=check.mismatched,
+                             checked_pages=check.checked, kinds=check.mismatch_kinds, explanation=check.explanation)
+            for model, check in mismatches])
         decision_log = router.decision_log
-        body = {
-            "status": "ok" if state_ok and not shared["last_error"] and hash_scheme["ok"] else "degraded",
-            "router_id": router.router_id,
-            "routing": "tier-aware" if state_ok else "load/round-robin (state store unavailable)",
-            "state_store": {"ok": state_ok, "error": state_error or router.last_state_error},
-            "shared_pool": shared,
-            "hash_scheme": hash_scheme,
-            # Routed to, but their state began after the engine's first batch: it lacks what the
-            # engine held before (until a flush or a full turnover of the device cache).
-            "partial_workers": [{"model": model, "worker_id": w} for model, workers in router.partial_workers.items()
-                                for w in workers],
-            "page_size": router.settings.router_page_size,
-            "decision_log": {"enabled": decision_log is not None,
-                             "connected": bool(decision_log is not None and decision_log.connected)},
-            "models": sorted(router.models_seen),
-        }
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+        body = RouterHealth(
+            status="ok" if state_ok and not shared.last_error and hash_scheme.ok else "degraded",
+            router_id=router.router_id,
+            routing="tier-aware" if state_ok else "load/round-robin (state store unavailable)",
+            state_store=StateStoreHealth(ok=state_ok, error=state_error or router.last_state_error),
+            shared_pool=shared,
+            hash_scheme=hash_scheme,
+            partial_workers=[PartialWorker(model=model, worker_id=w)
+                             for model, workers in router.partial_workers.items() for w in workers],
+            page_size=router.settings.router_page_size,
+            decision_log=DecisionLogHealth(enabled=decision_log is not None,
+                                           connected=bool(decision_log is not None and decision_log.connected)),
+            models=sorted(router.models_seen),
+        )
+        return web.Response(body=_json.encode(body), content_type="application/json")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -12,10 +12,10 @@ from urllib.parse import quote
 
 import msgspec
 
-from kvtier.schemas.mooncake import decode_batch_query_reply
+from kvtier.schemas.mooncake import decode_batch_query_reply, mooncake_object_keys
 from kvtier.schemas.worker import MooncakeLayout
 
-from .hashing import RequestPages, mooncake_object_keys
+from .hashing import RequestPages
 
 log = logging.getLogger("kvtier.router.shared_pool")
 

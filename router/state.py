@@ -5,7 +5,6 @@ and its booked load, in one Redis round trip (`read_overlap.lua`), plus the work
 from __future__ import annotations
 
 import enum
-import importlib.resources
 import logging
 import time
 from collections.abc import Mapping
@@ -13,10 +12,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtier.consumers.apply import as_text
+from kvtier.lua_scripts import load_lua
 from kvtier.schemas.health import HashCheck, decode_hash_check
 from kvtier.schemas.routing import TierOverlap
-from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys
+from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
 
 from .hashing import RequestPages
@@ -25,10 +24,6 @@ log = logging.getLogger("kvtier.router")
 
 #: Pages asked by the first SMISMEMBER of each tier's walk after page 1; chunks then grow 4x.
 FIRST_CHUNK = 4
-
-
-def load_script(name: str) -> str:
-    return importlib.resources.files("kvtier.router").joinpath(name).read_text()
 
 
 class WorkerStatus(enum.IntEnum):
@@ -62,7 +57,7 @@ class OverlapReader:
     def __init__(self, client, root: str = DEFAULT_ROOT):
         """`client`: a redis.asyncio client. `root`: the key root to read (live state; `kvtier
         replay explain` reads a rebuilt state under a scratch root)."""
-        self._script = client.register_script(load_script("read_overlap.lua"))
+        self._script = client.register_script(load_lua("kvtier.router", "read_overlap.lua"))
         self._root = root
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],

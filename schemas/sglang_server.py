@@ -11,6 +11,8 @@ ignored, so newer SGLang versions keep decoding. Shapes as of SGLang 0.5.23:
 - `GET /get_hicache_l3_cache_layout`: the HiCache L3 object-key layout for external KV
   routers (`mem_cache/hicache_storage.py` `disabled_l3_layout` / `merge_l3_layouts`, filled
   by the Mooncake store's `describe_l3_object_layout`).
+- `POST /generate` (native API): `meta_info`, the worker's own account of a request, which
+  `kvtier probe hicache` reads (`kvtier sim-worker` answers the same fields).
 """
 
 from __future__ import annotations
@@ -107,9 +109,40 @@ class L3CacheLayout(msgspec.Struct, kw_only=True):
     reason: str | None = None
 
 
+class CachedTokensDetails(msgspec.Struct, kw_only=True):
+    """`meta_info.cached_tokens_details`: the cached prompt tokens by tier (SGLang with HiCache)."""
+
+    device: int | None = None
+    host: int | None = None
+    #: Read from the L3 backend (whose name SGLang adds as `storage_backend`).
+    storage: int | None = None
+    #: `kvtier sim-worker`'s name for the L3 part.
+    l3: int | None = None
+
+
+class GenerateMetaInfo(msgspec.Struct, kw_only=True):
+    """`meta_info` of a `POST /generate` reply (only the fields kvtier reads)."""
+
+    #: Prompt tokens not recomputed.
+    cached_tokens: int | None = None
+    #: null or absent when nothing was cached, and on servers that do not report it.
+    cached_tokens_details: CachedTokensDetails | None = None
+    #: The worker's time to first token (`kvtier sim-worker`: `ttft_s`).
+    ttft_s: float | None = None
+    ttft: float | None = None
+    #: Request latency (SGLang); with max_new_tokens=1 the first token is the last.
+    e2e_latency: float | None = None
+
+
+class GenerateReply(msgspec.Struct, kw_only=True):
+    meta_info: GenerateMetaInfo | None = None
+
+
 _server_info = msgspec.json.Decoder(ServerInfo)
 _l3_layout = msgspec.json.Decoder(L3CacheLayout)
 _kv_events_config = msgspec.json.Decoder(KvEventsConfig)
+#: One request answers an object; a batch of requests a list of them.
+_generate_reply = msgspec.json.Decoder(GenerateReply | list[GenerateReply])
 
 
 def decode_server_info(body: bytes | str) -> ServerInfo:
@@ -123,3 +156,12 @@ def decode_l3_cache_layout(body: bytes | str) -> L3CacheLayout:
 
 def decode_kv_events_config(text: bytes | str) -> KvEventsConfig:
     return guarded(_kv_events_config.decode, text)
+
+
+def decode_generate_meta_info(body: bytes | str) -> GenerateMetaInfo:
+    """`POST /generate`'s reply -> its `meta_info` (of the first request, for a batch; empty
+    when there is none)."""
+    reply = guarded(_generate_reply.decode, body)
+    if isinstance(reply, list):
+        reply = reply[0] if reply else GenerateReply()
+    return reply.meta_info or GenerateMetaInfo()

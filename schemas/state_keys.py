@@ -68,6 +68,11 @@ def page_member(tier: Tier, page: PageKey) -> str:
 def split_member(member: str) -> tuple[Tier, PageKey]:
     return _TIER_OF_TAG[member[0]], PageKey(member[1:])
 
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text, whether the client decodes responses or not."""
+    return value.decode() if isinstance(value, bytes) else value
+
 #: The key root of live tier state. `kvtier replay` rebuilds state under another root (a
 #: scratch namespace, e.g. "kvtreplay-1a2b3c4d"): every key above then starts with that root
 #: instead of "kvt", same layout, same hash tag. The scripts never build a key from "kvt"

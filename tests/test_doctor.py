@@ -22,6 +22,7 @@ from kvtier import doctor as doc
 from kvtier.embedded import NatsServer, RedisServer, ServerStartError, free_port
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
+from kvtier.schemas.router_health import RouterHealth
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
 
@@ -44,11 +45,11 @@ pytestmark = pytest.mark.timeout(150)
 
 
 # --- the judging logic on hand-made views (no I/O) ---------------------------------------------
-def _worker(**kw) -> doc.WorkerView:
+def _worker(**kw) -> doc.WorkerRecord:
     base = {"model": "m", "worker": "w0", "lease_left_s": 5.0, "epoch": 10, "seq": 7, "applied_ago_s": 1.0,
             "page_size": 4}
     base.update(kw)
-    return doc.WorkerView(**base)
+    return doc.WorkerRecord(**base)
 
 
 def _redis(*workers, **kw) -> doc.RedisView:
@@ -87,15 +88,39 @@ def test_events_in_the_stream_but_not_in_redis_blame_the_processor():
 
 def test_router_page_size_from_healthz_is_compared_and_its_absence_said():
     workers = _redis(_worker(worker="a"), _worker(worker="b"))
-    says_8 = doc.RouterView(url="http://r1", reachable=True, http_status=200, healthz={"status": "ok", "page_size": 8})
+    says_8 = doc.RouterView(url="http://r1", reachable=True, http_status=200,
+                            healthz=RouterHealth(status="ok", page_size=8))
     trusts = doc.RouterView(url="http://r2", reachable=True, http_status=200,
-                            healthz={"status": "ok", "page_size": None})
-    silent = doc.RouterView(url="http://r3", reachable=True, http_status=200, healthz={"status": "ok"})
+                            healthz=RouterHealth(status="ok", page_size=None))
+    silent = doc.RouterView(url="http://r3", reachable=True, http_status=200, healthz=RouterHealth(status="ok"))
     finding = _one(doc.check_page_sizes(workers, [says_8]), "page_size", doc.Status.FAIL)
     assert "--page-size 8" in finding.finding and "--page-size 4" in finding.fix
     assert _one(doc.check_page_sizes(workers, [trusts]), "page_size").status == doc.Status.OK
     finding = _one(doc.check_page_sizes(workers, [silent]), "page_size", doc.Status.OK)
     assert "http://r3 do not report their --page-size" in finding.finding
+
+
+def test_a_router_healthz_body_round_trips_through_its_schema():
+    """The body as routers have always written it (field names and order) decodes into
+    RouterHealth and encodes back to the same bytes; a router that does not report its
+    --page-size is told from one that trusts each worker's."""
+    import msgspec
+
+    from kvtier.schemas.router_health import decode_router_health
+
+    body = {"status": "degraded", "router_id": "r1", "routing": "tier-aware",
+            "state_store": {"ok": True, "error": ""}, "shared_pool": {"enabled": True, "last_error": "timeout"},
+            "hash_scheme": {"ok": False, "mismatched_workers": [
+                {"model": "m", "worker_id": "w1", "mismatched_pages": 3, "checked_pages": 5,
+                 "kinds": {"hash_scheme": 3}, "explanation": "other scheme"}]},
+            "partial_workers": [{"model": "m", "worker_id": "w2"}], "page_size": None,
+            "decision_log": {"enabled": True, "connected": False}, "models": ["m"]}
+    raw = msgspec.json.encode(body)
+    health = decode_router_health(raw)
+    assert msgspec.json.encode(health) == raw
+    assert health.hash_scheme.mismatched_workers[0].kinds == {"hash_scheme": 3}
+    assert doc._router_page_size(doc.RouterView(url="r", reachable=True, healthz=health)) == (True, None)
+    assert decode_router_health(b'{"status": "ok"}').page_size is msgspec.UNSET
 
 
 def test_router_metrics_are_parsed():
@@ -419,7 +444,7 @@ def _bridge_cursor_ahead(stack) -> str:
     """The (epoch:seq) the bridge announced once it is past what Redis applied, else ''."""
     import asyncio
 
-    view = asyncio.run(doc.observe_nats(stack.nats.url, [doc.WorkerView(model=MODEL_OK, worker="w0")], 2))
+    view = asyncio.run(doc.observe_nats(stack.nats.url, [doc.WorkerRecord(model=MODEL_OK, worker="w0")], 2))
     last = view.last_messages.get(f"{MODEL_OK}/w0")
     state = stack.state(MODEL_OK, "w0")
     if last is None or (last.epoch, last.seq) <= (int(state["epoch"]), int(state["seq"])):

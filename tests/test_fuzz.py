@@ -90,7 +90,8 @@ def test_every_listed_decoder_is_fuzzed():
     names = {t.name for t in TARGETS}
     assert names >= {"sglang.payload", "sglang.event", "sglang.frames", "events.message", "events.control",
                      "health.hash_check", "worker.metadata", "sglang_server.server_info", "sglang_server.l3_layout",
-                     "mooncake.batch_query_reply", "routing.route", "routing.release", "routing.generate"}
+                     "mooncake.batch_query_reply", "routing.route", "routing.release", "routing.generate",
+                     "router_health.healthz", "sglang_server.generate_reply"}
 
 
 # --- huge arrays: bounded time and memory -----------------------------------------------------

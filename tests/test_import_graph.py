@@ -123,6 +123,24 @@ def test_no_import_circle_between_kvtier_modules():
     assert not cycles, "import circles:\n" + "\n".join("  " + " -> ".join(cycle) for cycle in cycles)
 
 
+def test_the_stages_meet_only_in_schemas():
+    """producers/, consumers/ and router/ share wire types (schemas/) and kvtier's plumbing
+    (connections, streams, Lua scripts), never each other's modules; schemas/ imports nothing of
+    kvtier but itself. So each stage can be read, tested and changed on its own."""
+    stages = ("kvtier.producers", "kvtier.consumers", "kvtier.router")
+
+    def stage(module: str) -> str | None:
+        return next((s for s in stages if module == s or module.startswith(s + ".")), None)
+
+    graph = import_graph()
+    crossing = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                      if stage(m) and stage(t) and stage(m) != stage(t))
+    assert not crossing, "a stage imports another:\n  " + "\n  ".join(crossing)
+    outside = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("kvtier.schemas")
+                     for t in targets if not t.startswith("kvtier.schemas"))
+    assert not outside, "schemas/ imports outside itself:\n  " + "\n  ".join(outside)
+
+
 def test_the_graph_is_the_real_one():
     """The check above is not vacuous: the mapping finds the modules and their imports."""
     modules = module_files()

@@ -9,6 +9,7 @@ import json
 import subprocess
 import time
 
+import msgspec
 import pytest
 
 from kvtier.embedded import free_port
@@ -16,6 +17,7 @@ from kvtier.probe import CachedTokens, Evidence, Verdict, cached_tokens_of, coll
 from kvtier.producers.sim_worker import free_port_block
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored
 from kvtier.schemas.hashes import sglang_block_hashes
+from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
 from kvtier.schemas.tiers import Tier
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
@@ -216,7 +218,8 @@ def test_collect_evidence_tells_loads_from_fresh_stores():
                          PagesRemoved(tier=Tier.HOST, hashes=[hashes[2]])]),
                batch(3, [AllCleared()])]
     ev = collect_evidence(series="C", page_size=4, prompt=prompt, prefix_pages=4, before=before, batches=batches,
-                          event_stream=True, meta_info={"cached_tokens": 12, "e2e_latency": 0.25}, wall_ttft_s=0.3)
+                          event_stream=True, meta_info=GenerateMetaInfo(cached_tokens=12, e2e_latency=0.25),
+                          wall_ttft_s=0.3)
     assert (ev.before_device, ev.before_host, ev.before_host_only) == (1, 3, 2)
     assert ev.load_back_pages == 2 and ev.load_back_batches == ["9:2"]
     assert ev.fresh_device_pages == 1  # hashes[3]: on no tier before; hashes[4] is not in the prefix
@@ -225,7 +228,7 @@ def test_collect_evidence_tells_loads_from_fresh_stores():
     assert any("cleared" in n for n in ev.notes)
     # without tier state nothing can be called a load
     blind = collect_evidence(series="C", page_size=4, prompt=prompt, prefix_pages=4, before=None, batches=batches,
-                             event_stream=True, meta_info={}, wall_ttft_s=0.3)
+                             event_stream=True, meta_info=GenerateMetaInfo(), wall_ttft_s=0.3)
     assert not blind.tier_state and blind.load_back_pages == 0 and blind.fresh_device_pages == 0
 
 
@@ -246,10 +249,11 @@ def test_collect_evidence_tells_loads_from_fresh_stores():
     ({}, CachedTokens()),
 ])
 def test_cached_tokens_of_real_and_simulated_shapes(meta, expected):
-    assert cached_tokens_of(meta) == expected
+    reply = msgspec.json.encode({"text": "x", "meta_info": meta})  # as the worker's /generate answers
+    assert cached_tokens_of(decode_generate_meta_info(reply)) == expected
 
 
 def test_worker_ttft_prefers_the_reported_ttft():
-    assert worker_ttft_of({"ttft_s": 0.01, "e2e_latency": 0.5}) == (0.01, "ttft_s")
-    assert worker_ttft_of({"e2e_latency": 0.5}) == (0.5, "e2e_latency")
-    assert worker_ttft_of({}) == (None, "")
+    assert worker_ttft_of(GenerateMetaInfo(ttft_s=0.01, e2e_latency=0.5)) == (0.01, "ttft_s")
+    assert worker_ttft_of(GenerateMetaInfo(e2e_latency=0.5)) == (0.5, "e2e_latency")
+    assert worker_ttft_of(GenerateMetaInfo()) == (None, "")

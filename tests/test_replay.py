@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import redis
 
-from kvtier.replay import DEFAULT_ROOT, ReplayError, RetentionBoundary, read_states, rebuild, scratch_target
+from kvtier.replay import DEFAULT_ROOT, RetentionBoundary, StreamReplayError, read_states, rebuild, scratch_target
 from kvtier.router import scoring
 from kvtier.schemas.events import (
     AllCleared,
@@ -501,7 +501,7 @@ def test_replay_refuses_a_point_older_than_retention(nats_server, redis_server, 
         assert before.returncode == 2 and "older than the first retained message" in before.stderr
         with pytest.raises(RetentionBoundary):
             asyncio.run(rebuild(nats_server.url, scratch_target(redis_server.url), at_seq=1))
-        with pytest.raises(ReplayError, match="past the stream's last message"):
+        with pytest.raises(StreamReplayError, match="past the stream's last message"):
             asyncio.run(rebuild(nats_server.url, scratch_target(redis_server.url), at_seq=info.state.last_seq + 5))
 
         rest = kvtier("replay", "--nats", nats_server.url, "--redis", redis_server.url, "--diff", "--json")

@@ -593,11 +593,11 @@ def test_a_duplicate_that_was_not_a_retry_is_an_error(nats_server):
 
 
 def test_doctor_names_a_partial_worker_and_what_it_costs():
-    from kvtier.doctor import RedisView, Status, WorkerView, check_workers
+    from kvtier.doctor import RedisView, Status, WorkerRecord, check_workers
 
     view = RedisView(url="redis://x", reachable=True, models=[MODEL], workers=[
-        WorkerView(model=MODEL, worker="w0", lease_left_s=5.0, partial=True),
-        WorkerView(model=MODEL, worker="w1", lease_left_s=5.0)])
+        WorkerRecord(model=MODEL, worker="w0", lease_left_s=5.0, partial=True),
+        WorkerRecord(model=MODEL, worker="w1", lease_left_s=5.0)])
     findings = [f for f in check_workers(view) if f.subject == f"{MODEL}/w0"]
     assert len(findings) == 1 and findings[0].status is Status.WARN
     assert "partial" in findings[0].finding and "credit it for fewer pages" in findings[0].finding

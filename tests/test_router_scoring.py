@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from kvtier.router import scoring
 from kvtier.router.booking import LoadBook
-from kvtier.router.hashing import RequestPages, mooncake_object_keys
+from kvtier.router.hashing import RequestPages
 from kvtier.router.shared_pool import SharedPages
 from kvtier.schemas.hashes import PageDigest, page_key
+from kvtier.schemas.mooncake import mooncake_object_keys
 from kvtier.schemas.routing import RouteOverrides, ScoringWeights, TierOverlap
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 

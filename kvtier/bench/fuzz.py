@@ -47,7 +47,7 @@ from kvtier.consumers.hash_check import HashValidator
 from kvtier.producers.bridge import _chunk_by_pages
 from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp
 from kvtier.producers.sglang_discovery import WorkerFlags, discover
-from kvtier.producers.sglang_source import ReplayError, _split_replay, parse_pub_frames
+from kvtier.producers.sglang_source import ReplaySocketError, _split_replay, parse_pub_frames
 from kvtier.schemas.events import (
     EMPTY_TOKENS,
     AllCleared,
@@ -70,6 +70,7 @@ from kvtier.schemas.events import (
 from kvtier.schemas.hashes import INT64_MAX, INT64_MIN, BlockHash, sglang_block_hashes
 from kvtier.schemas.health import HashCheck, decode_hash_check, encode_hash_check
 from kvtier.schemas.mooncake import decode_batch_query_reply
+from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import (
     GenerateRequest,
     ReleaseRequest,
@@ -94,6 +95,7 @@ from kvtier.schemas.sglang import (
 from kvtier.schemas.sglang_server import (
     L3CacheLayout,
     ServerInfo,
+    decode_generate_meta_info,
     decode_kv_events_config,
     decode_l3_cache_layout,
     decode_server_info,
@@ -536,6 +538,45 @@ def mooncake_replies(draw):
             "error": draw(st.none() | st.just("x"))}
 
 
+@st.composite
+def generate_replies(draw):
+    """SGLang's (and kvtier sim-worker's) `POST /generate` replies, one or a batch."""
+    details = draw(st.sampled_from([None, {"device": 32, "host": 64},
+                                    {"device": 0, "host": 32, "storage": 64, "storage_backend": "MooncakeStore"},
+                                    {"device": 8, "host": 0, "l3": 0}]))
+    meta: dict = {"prompt_tokens": draw(st.integers(0, 4096)), "cached_tokens": draw(st.integers(0, 4096)),
+                  "e2e_latency": draw(st.floats(0, 10))}
+    if details is not None or draw(st.booleans()):
+        meta["cached_tokens_details"] = details
+    if draw(st.booleans()):
+        meta["ttft_s"] = draw(st.floats(0, 10))
+    reply = {"text": "x", "meta_info": meta}
+    return draw(st.sampled_from([reply, [reply], []]))
+
+
+@st.composite
+def router_healths(draw):
+    """Routers' `/healthz` bodies, some without fields (an older router), as `kvtier doctor` reads them."""
+    body: dict = {
+        "status": draw(st.sampled_from(["ok", "degraded"])), "router_id": draw(NAMES),
+        "routing": draw(st.sampled_from(["tier-aware", "load/round-robin (state store unavailable)"])),
+        "state_store": {"ok": draw(st.booleans()), "error": draw(st.text(max_size=10))},
+        "shared_pool": {"enabled": draw(st.booleans()),
+                        "last_error": draw(st.sampled_from(["", "x", "no answer within"]))},
+        "hash_scheme": {"ok": draw(st.booleans()), "mismatched_workers": [
+            {"model": "m", "worker_id": w, "mismatched_pages": draw(st.integers(0, 100)),
+             "checked_pages": draw(st.integers(0, 100)), "kinds": {"hash_scheme": 1}, "explanation": "why"}
+            for w in draw(st.lists(NAMES, max_size=3))]},
+        "partial_workers": [{"model": "m", "worker_id": w} for w in draw(st.lists(NAMES, max_size=3))],
+        "page_size": draw(st.none() | st.integers(1, 256)),
+        "decision_log": {"enabled": draw(st.booleans()), "connected": draw(st.booleans())},
+        "models": draw(st.lists(NAMES, max_size=3)),
+    }
+    for name in draw(st.sets(st.sampled_from(sorted(body)), max_size=3)):
+        del body[name]
+    return body
+
+
 MODEL = "fz-model"
 #: Token lists of a few lengths (0 and over the router's limit included).
 TOKEN_LISTS = st.lists(TOKENS, min_size=1, max_size=40) | st.sampled_from([list(range(1, 65)), []])
@@ -682,7 +723,7 @@ def check_frames(frames: list[bytes]) -> bool:
     try:
         seq_frame, _payload = _split_replay(frames)
         decode_seq(seq_frame)
-    except (ReplayError, MalformedBatch) as exc:
+    except (ReplaySocketError, MalformedBatch) as exc:
         _refused(exc)
     return accepted
 
@@ -737,7 +778,7 @@ def check_hash_check(data: bytes) -> bool:
 
 
 def check_worker_metadata(data: bytes) -> bool:
-    from kvtier.router.hashing import mooncake_object_keys
+    from kvtier.schemas.mooncake import mooncake_object_keys
 
     try:
         meta = decode_worker_metadata(data)
@@ -797,6 +838,34 @@ def check_mooncake_reply(data: bytes) -> bool:
         return _refused(exc)
     found = {key: status.ok for key, status in (reply.data or {}).items()}  # what the router reads
     _expect(all(isinstance(v, bool) for v in found.values()), "ok is not a bool")
+    return True
+
+
+def check_generate_reply(data: bytes) -> bool:
+    from kvtier.probe import cached_tokens_of, worker_ttft_of
+
+    try:
+        meta = decode_generate_meta_info(data)
+    except MSGSPEC_ERRORS as exc:
+        return _refused(exc)
+    cached = cached_tokens_of(meta)  # what `kvtier probe hicache` reads of it
+    _expect(cached.total is None or isinstance(cached.total, int), "cached tokens are not a count")
+    ttft, field = worker_ttft_of(meta)
+    _expect((ttft is None) == (field == ""), "a TTFT without the field it came from")
+    return True
+
+
+def check_router_health(data: bytes) -> bool:
+    from kvtier.doctor import RedisView, RouterView, check_page_sizes, check_routers
+
+    try:
+        health = decode_router_health(data)
+    except MSGSPEC_ERRORS as exc:
+        return _refused(exc)
+    _expect(decode_router_health(msgspec.json.encode(health)) == health, "router health does not round-trip")
+    view = RouterView(url="http://r", reachable=True, http_status=200, healthz=health)
+    check_routers([view])  # what the doctor reads of it
+    check_page_sizes(RedisView(url="redis://r", reachable=True), [view])
     return True
 
 
@@ -876,7 +945,9 @@ def decoder_targets() -> list[Target]:
         Target("worker.metadata", inputs(worker_metadata().map(json_of), True), check_worker_metadata, 1.5),
         Target("sglang_server.server_info", inputs(server_infos(), True), check_server_info),
         Target("sglang_server.l3_layout", inputs(l3_layouts(), True), check_l3_layout),
+        Target("sglang_server.generate_reply", inputs(generate_replies(), True), check_generate_reply),
         Target("mooncake.batch_query_reply", inputs(mooncake_replies(), True), check_mooncake_reply),
+        Target("router_health.healthz", inputs(router_healths(), True), check_router_health),
         Target("routing.route", inputs(route_requests(), True), check_route_request, 2),
         Target("routing.release", inputs(release_requests(), True), check_release_request),
         Target("routing.generate", inputs(generate_requests(), True), check_generate_request),

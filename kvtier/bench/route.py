@@ -214,8 +214,8 @@ def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], ar
         raise SystemExit("kvtier bench route --shared-pool runs a Mooncake master, whose metadata server "
                          "binds 0.0.0.0: run it in a private network namespace, e.g.\n"
                          "  unshare -n sh -c 'ip link set lo up && kvtier bench route --shared-pool'")
-    from kvtier.router.hashing import mooncake_object_keys
     from kvtier.router.shared_pool import SharedPoolClient
+    from kvtier.schemas.mooncake import mooncake_object_keys
 
     with MooncakeMaster() as master:
         writer = SharedPoolWriter(master.rpc_address, master.metadata_url)

@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from kvtier.embedded import RedisServer
-from kvtier.router.hashing import RequestPages, mooncake_object_keys
+from kvtier.router.hashing import RequestPages
+from kvtier.schemas.mooncake import mooncake_object_keys
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
 from ..helpers import stop_all

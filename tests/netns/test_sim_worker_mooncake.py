@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvtier.embedded import free_port
 from kvtier.mooncake import query_keys
 from kvtier.producers.sim_worker import free_port_block
-from kvtier.router.hashing import RequestPages, mooncake_object_keys
+from kvtier.router.hashing import RequestPages
+from kvtier.schemas.mooncake import mooncake_object_keys
 from kvtier.schemas.worker import MooncakeLayout
 
 from ..helpers import KvtierProcess, stop_all, wait_until

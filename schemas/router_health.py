@@ -1,0 +1,83 @@
+"""The router's `GET /healthz` body: what one replica can reach and whether it routes degraded.
+
+Written by `router/service.py`, read by `kvtier doctor` (and by operators and probes). Every
+field has a default so that a body from an older or newer router still decodes: unknown
+fields are ignored, a missing one reads as "nothing to report".
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .limits import guarded
+
+
+class StateStoreHealth(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool = True
+    #: The ping's failure, else the last error a state read met ("" when none).
+    error: str = ""
+
+
+class SharedPoolHealth(msgspec.Struct, frozen=True, kw_only=True):
+    #: The router asks a Mooncake master (--shared-cache-type hicache).
+    enabled: bool = False
+    #: The last query's failure; "" once a query succeeds again.
+    last_error: str = ""
+
+
+class MismatchedWorker(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker whose published page hashes fail the processors' check (schemas/health.py
+    `HashCheck`): routed to on load only, its pages can never match."""
+
+    model: str
+    worker_id: str
+    mismatched_pages: int = 0
+    checked_pages: int = 0
+    #: Mismatched pages by `HashMismatchKind` value.
+    kinds: dict[str, int] = {}
+    explanation: str = ""
+
+
+class HashSchemeHealth(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool = True
+    mismatched_workers: list[MismatchedWorker] = []
+
+
+class PartialWorker(msgspec.Struct, frozen=True, kw_only=True):
+    """Routed to, but its state began after the engine's first batch: it lacks what the
+    engine held before (until a flush or a full turnover of the device cache)."""
+
+    model: str
+    worker_id: str
+
+
+class DecisionLogHealth(msgspec.Struct, frozen=True, kw_only=True):
+    #: The router publishes its decisions (started with --nats).
+    enabled: bool = False
+    connected: bool = False
+
+
+class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
+    #: "ok", or "degraded" when the state store, the shared pool or a worker's hashes fail.
+    status: str = ""
+    router_id: str = ""
+    #: "tier-aware", or how it routes without the state store.
+    routing: str = ""
+    state_store: StateStoreHealth = StateStoreHealth()
+    shared_pool: SharedPoolHealth = SharedPoolHealth()
+    hash_scheme: HashSchemeHealth = HashSchemeHealth()
+    partial_workers: list[PartialWorker] = []
+    #: The router's --page-size; None: it hashes at each worker's announced size; UNSET: a
+    #: router too old to report it.
+    page_size: int | None | msgspec.UnsetType = msgspec.UNSET
+    decision_log: DecisionLogHealth = DecisionLogHealth()
+    #: Models this replica has been asked to route (and knew).
+    models: list[str] = []
+
+
+_decoder = msgspec.json.Decoder(RouterHealth)
+
+
+def decode_router_health(body: bytes | str) -> RouterHealth:
+    """Raises msgspec.DecodeError/ValidationError."""
+    return guarded(_decoder.decode, body)
