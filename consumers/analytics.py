@@ -309,7 +309,7 @@ class AnalyticsService:
     async def run(self, stop: asyncio.Event, ready=None) -> None:
         from aiohttp import web
 
-        from kvtier.streams import StreamSettings, connect_nats, ensure_decisions_stream, ensure_streams
+        from kvtier.plumbing.streams import StreamSettings, connect_nats, ensure_decisions_stream, ensure_streams
 
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)

@@ -18,7 +18,7 @@ from typing import cast
 import msgspec
 import redis
 
-from kvtier.lua_scripts import load_lua
+from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, page_member, split_member, store_key

@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from kvtier.lua_scripts import load_lua
+from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.state_keys import as_text
 
 PROCESSORS_KEY = "kvt:processors"

@@ -41,11 +41,12 @@ import redis.asyncio
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
-from kvtier.connections import redact, redis_async_client, redis_client
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import PullStream, consume
+from kvtier.plumbing.connections import redact, redis_async_client, redis_client
+from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 from kvtier.schemas.events import (
     EventBatch,
     UnsupportedVersion,
@@ -65,7 +66,6 @@ from kvtier.schemas.subjects import (
     partition_filter,
     subject_token,
 )
-from kvtier.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS

@@ -38,7 +38,8 @@ def _default(action: argparse.Action) -> str:
 
 
 def render() -> str:
-    from kvtier.cli import _env_name, build_parser
+    from kvtier.cli import build_parser
+    from kvtier.commands.flags import env_name
 
     saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("KVTIER_")]}
     try:  # defaults as documented, not as this shell's KVTIER_* would make them
@@ -55,10 +56,10 @@ def render() -> str:
             if not longs or longs[0] == "--help":
                 continue
             flag = longs[0]
-            help_text = (action.help or "").replace(f" [env {_env_name(flag)}]", "").strip()
+            help_text = (action.help or "").replace(f" [env {env_name(flag)}]", "").strip()
             if action.choices is not None:
                 help_text += f" One of: {', '.join(map(str, action.choices))}."
-            out.append(f"| `{flag}` | `{_env_name(flag)}` | {_cell(_default(action))} | {_cell(help_text)} |")
+            out.append(f"| `{flag}` | `{env_name(flag)}` | {_cell(_default(action))} | {_cell(help_text)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -25,6 +25,7 @@ import nats.js.errors
 import zmq.asyncio
 from prometheus_client import Counter, Gauge
 
+from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp, split_to_fit
 from kvtier.producers.sglang_source import (
     RawBatch,
@@ -54,7 +55,6 @@ from kvtier.schemas.subjects import (
     stored_events_subject_pattern,
 )
 from kvtier.schemas.worker import WorkerMetadata
-from kvtier.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 
 log = logging.getLogger("kvtier.bridge")
 

@@ -118,7 +118,7 @@ class MooncakeStorePool:
     is in the pool only if all of them exist there."""
 
     def __init__(self, rpc_address: str, metadata_url: str):
-        from kvtier.mooncake import SharedPoolWriter
+        from kvtier.harness.mooncake import SharedPoolWriter
         from kvtier.schemas.worker import MooncakeLayout
 
         self.layout = MooncakeLayout()

@@ -44,7 +44,7 @@ class DecisionLog:
             self._on_dropped(1)
 
     async def _run(self) -> None:
-        from kvtier.streams import connect_nats, ensure_decisions_stream
+        from kvtier.plumbing.streams import connect_nats, ensure_decisions_stream
 
         # start() runs this only when there is a URL
         self._nc = await connect_nats(self._url, "kvtier-router-decisions", stop=self._stop)  # type: ignore[arg-type]

@@ -329,7 +329,7 @@ class RouterConfig:
 
 
 async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> None:
-    from kvtier.connections import redis_async_client
+    from kvtier.plumbing.connections import redis_async_client
 
     from .core import RouterSettings
     from .decision_log import DecisionLog

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtier.lua_scripts import load_lua
+from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.health import HashCheck, decode_hash_check
 from kvtier.schemas.routing import TierOverlap
 from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys, as_text

@@ -1,6 +1,6 @@
 """Clustered servers on loopback for tests/test_clusters.py: a 3-node nats-server cluster
 with JetStream and a 3-master Redis Cluster (valkey-server / redis-server from
-kvtier.embedded's finder). Every node is a child process on free loopback ports, stopped
+kvtier.harness.embedded's finder). Every node is a child process on free loopback ports, stopped
 by its PID; its work directory is removed at the end."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvtier.embedded import NatsServer, RedisServer, ServerStartError, find_nats_server, free_port
+from kvtier.harness.embedded import NatsServer, RedisServer, ServerStartError, find_nats_server, free_port
 
 
 def _free_ports(n: int) -> list[int]:

@@ -3,7 +3,7 @@ import os
 import pytest
 import redis
 
-from kvtier.embedded import NatsServer, RedisServer
+from kvtier.harness.embedded import NatsServer, RedisServer
 
 # tests/netns needs a private network namespace (the Mooncake master listens on 0.0.0.0);
 # tests/test_mooncake_master.py runs it there through tests/netns_runner.py, which sets this.

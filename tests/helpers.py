@@ -137,9 +137,9 @@ def kvtier_batch(model: str, worker: str, epoch: int, seq: int, events: list[Sgl
 async def publish_batches(nats_url: str, batches, msg_ids: list[str] | None = None) -> None:
     import nats
 
+    from kvtier.plumbing.streams import StreamSettings, ensure_streams
     from kvtier.schemas.events import encode_message
     from kvtier.schemas.subjects import events_subject
-    from kvtier.streams import StreamSettings, ensure_streams
 
     nc = await nats.connect(nats_url)
     js = nc.jetstream()

@@ -104,7 +104,7 @@ class RouterProcess(KvtierProcess):
     """`kvtier router` on a free port, started and stopped by PID."""
 
     def __init__(self, redis_url: str, *extra: str, nats_url: str = "", env: dict[str, str] | None = None):
-        from kvtier.embedded import free_port
+        from kvtier.harness.embedded import free_port
 
         self.port = free_port()
         args = ["router", "--redis", redis_url, "--http-port", str(self.port)]

@@ -221,7 +221,7 @@ def total(samples: dict, name: str, **labels) -> float:
 
 class AnalyticsProcess(KvtierProcess):
     def __init__(self, nats_url: str, *extra: str):
-        from kvtier.embedded import free_port
+        from kvtier.harness.embedded import free_port
 
         self.port = free_port()
         super().__init__("analytics", "--nats", nats_url, "--http-port", str(self.port), *extra)
@@ -249,8 +249,8 @@ async def publish_decisions(nats_url: str, decisions: list[RouteDecision]) -> No
     import msgspec
     import nats
 
+    from kvtier.plumbing.streams import ensure_decisions_stream
     from kvtier.schemas.subjects import decisions_subject
-    from kvtier.streams import ensure_decisions_stream
 
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
@@ -336,8 +336,8 @@ def test_analytics_expires_workers_whose_lease_ran_out(nats_server):
     async def publish():
         import nats
 
+        from kvtier.plumbing.streams import StreamSettings, ensure_streams
         from kvtier.schemas.subjects import events_subject
-        from kvtier.streams import StreamSettings, ensure_streams
 
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()

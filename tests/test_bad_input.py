@@ -6,10 +6,10 @@ import msgspec
 import nats
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
+from kvtier.plumbing.streams import StreamSettings, ensure_streams
 from kvtier.schemas.events import encode_message
 from kvtier.schemas.sglang import BlockStored, encode_seq
 from kvtier.schemas.subjects import events_subject
-from kvtier.streams import StreamSettings, ensure_streams
 
 from .helpers import (
     RunningPipeline,

@@ -104,7 +104,7 @@ async def _stream_exists(url: str) -> bool:
 def test_a_retention_shorter_than_the_duplicate_window_is_accepted(nats_server):
     """JetStream refuses a duplicate window longer than max age; a short --stream-max-age
     shortens the window instead of failing at startup (also when it shrinks an existing stream)."""
-    from kvtier.streams import StreamSettings, ensure_streams
+    from kvtier.plumbing.streams import StreamSettings, ensure_streams
 
     async def check():
         nc = await nats.connect(nats_server.url)
@@ -122,8 +122,8 @@ def test_a_retention_shorter_than_the_duplicate_window_is_accepted(nats_server):
 
 
 def test_an_empty_nats_url_is_a_settings_error_not_a_retry_loop():
-    from kvtier.nats_options import NatsOptionsError
-    from kvtier.streams import connect_nats
+    from kvtier.plumbing.nats_options import NatsOptionsError
+    from kvtier.plumbing.streams import connect_nats
 
     with pytest.raises(NatsOptionsError, match="no NATS server"):
         asyncio.run(asyncio.wait_for(connect_nats(" , ", "kvtier-test"), 10))

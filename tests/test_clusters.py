@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvtier.connections import redis_client
 from kvtier.consumers.ownership import PartitionLeases, partition_key
+from kvtier.plumbing.connections import redis_client
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang import BlockStored

@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli import _env_name, build_parser
+from kvtier.cli import build_parser
+from kvtier.commands.flags import env_name
 
 yaml = pytest.importorskip("yaml", reason="PyYAML reads docker-compose.yml: pip install pyyaml")
 
@@ -213,7 +214,7 @@ def _parse_kvtier(service: Service, errors: list[str]) -> None:
             errors.append(f"{service.name}: `kvtier {shlex.join(argv)}` is refused: "
                           f"{(stderr.getvalue().strip().splitlines() or ['no subcommand'])[-1]}")
             return
-        known = {_env_name(flag) for flag in _options(sub)}
+        known = {env_name(flag) for flag in _options(sub)}
         for name in env:
             if name.startswith("KVTIER_") and name not in NON_FLAG_VARIABLES and name not in known:
                 errors.append(f"{service.name}: {name} sets no flag of `kvtier {argv[0]}` (a typo is silently ignored)")
@@ -229,7 +230,7 @@ def _parse_kvtier(service: Service, errors: list[str]) -> None:
     for action in sub._actions:
         value = getattr(service.args, action.dest, None)
         if action.option_strings and action.choices is not None and value is not None and value not in action.choices:
-            errors.append(f"{service.name}: {_env_name(action.option_strings[-1])}={value} is an invalid choice "
+            errors.append(f"{service.name}: {env_name(action.option_strings[-1])}={value} is an invalid choice "
                           f"of {action.option_strings[-1]} ({', '.join(map(str, action.choices))})")
 
 

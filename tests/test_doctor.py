@@ -3,7 +3,7 @@ bridge`s on SGLang-format publishers, a `kvtier router` and (when installed) a r
 master. One stack serves the module; each case adds its own model (so findings do not mix) and
 the cases break things in order from least to most destructive, Redis and NATS going last.
 
-The judging logic is pure (kvtier/doctor.py); a few cases check it on hand-made views first."""
+The judging logic is pure (kvtier/tools/doctor.py); a few cases check it on hand-made views first."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import time
 import pytest
 import redis
 
-from kvtier import doctor as doc
-from kvtier.embedded import NatsServer, RedisServer, ServerStartError, free_port
+from kvtier.harness.embedded import NatsServer, RedisServer, ServerStartError, free_port
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.router_health import RouterHealth
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
+from kvtier.tools import doctor as doc
 
 from .helpers import (
     bridge_process,
@@ -162,7 +162,7 @@ def _start_master():
     """A real Mooncake master with its HTTP metadata server off: then it listens on loopback only
     (the metadata server is the part that binds 0.0.0.0), so it may run outside a netns."""
     try:
-        from kvtier.mooncake import MooncakeMaster, MooncakeUnavailable
+        from kvtier.harness.mooncake import MooncakeMaster, MooncakeUnavailable
     except ImportError:
         return None
     master = MooncakeMaster(extra_args=["--enable_http_metadata_server=false"])

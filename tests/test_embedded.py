@@ -6,8 +6,8 @@ import socket
 import pytest
 import redis
 
-import kvtier.embedded as embedded
-from kvtier.embedded import MissingServerBinary, NatsServer, RedisServer, ServerStartError
+import kvtier.harness.embedded as embedded
+from kvtier.harness.embedded import MissingServerBinary, NatsServer, RedisServer, ServerStartError
 
 
 def test_servers_start_on_loopback_and_stop_by_pid():

@@ -10,12 +10,12 @@ import nats
 
 from kvtier.bench.faults import KINDS, run_faults
 from kvtier.consumers.apply import read_worker_pages
-from kvtier.replay import diff_states, read_states, rebuild, scratch_target
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys
 from kvtier.schemas.subjects import EVENTS_STREAM
 from kvtier.schemas.tiers import Tier
+from kvtier.tools.replay import diff_states, read_states, rebuild, scratch_target
 
 from .helpers import HiCacheWorkload, ReferenceModel, RunningPipeline, wait_until
 from .router_helpers import RouterProcess

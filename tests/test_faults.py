@@ -12,7 +12,7 @@ import pytest
 import redis as redis_lib
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
-from kvtier.embedded import NatsServer, RedisServer, free_port
+from kvtier.harness.embedded import NatsServer, RedisServer, free_port
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.sglang import BlockRemoved, BlockStored
 from kvtier.schemas.subjects import control_subject

@@ -9,7 +9,7 @@ import struct
 import urllib.request
 
 from kvtier.consumers.hash_check import HashValidator
-from kvtier.embedded import free_port
+from kvtier.harness.embedded import free_port
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.events import EpochReason, EventBatch
 from kvtier.schemas.hashes import sglang_block_hashes

@@ -141,6 +141,25 @@ def test_the_stages_meet_only_in_schemas():
     assert not outside, "schemas/ imports outside itself:\n  " + "\n  ".join(outside)
 
 
+def test_plumbing_and_the_services_never_reach_up_to_tools_commands_or_benches():
+    """kvtier/plumbing/ imports only schemas/ and itself; producers/, consumers/, router/ and
+    plumbing never import the operator tools, the command modules or the benches (the layout
+    of kvtier/README.md: services at the bottom, what drives or inspects them on top)."""
+    graph = import_graph()
+    below = ("kvtier.plumbing", "kvtier.producers", "kvtier.consumers", "kvtier.router")
+    above = ("kvtier.tools", "kvtier.commands", "kvtier.bench", "kvtier.cli")
+
+    def within(module: str, packages) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
+
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, below)
+                    for t in targets if within(t, above))
+    assert not upward, "imports upward:\n  " + "\n  ".join(upward)
+    plumbing_out = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, ("kvtier.plumbing",))
+                          for t in targets if not within(t, ("kvtier.plumbing", "kvtier.schemas")))
+    assert not plumbing_out, "plumbing imports beyond schemas:\n  " + "\n  ".join(plumbing_out)
+
+
 def test_the_graph_is_the_real_one():
     """The check above is not vacuous: the mapping finds the modules and their imports."""
     modules = module_files()
@@ -152,8 +171,8 @@ def test_the_graph_is_the_real_one():
     # module-level, relative, `from package import submodule` and function-level imports
     assert "kvtier.schemas.hashes" in graph["kvtier.schemas.events"]  # from .hashes import WireBlockHash
     assert "kvtier.router.core" in graph["kvtier.router.service"]  # from .core import ...
-    assert "kvtier.router.scoring" in graph["kvtier.explain"]  # from kvtier.router import scoring
-    assert "kvtier.replay" in graph["kvtier.cli"]  # inside main()
+    assert "kvtier.router.scoring" in graph["kvtier.tools.explain"]  # from kvtier.router import scoring
+    assert "kvtier.tools.replay" in graph["kvtier.commands.replay"]  # inside run()
 
 
 def test_find_cycles_reports_a_circle():

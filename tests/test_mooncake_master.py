@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from kvtier import mooncake
-from kvtier.embedded import MissingServerBinary, ServerStartError
-from kvtier.errors import user_facing
+from kvtier.commands.errors import user_facing
+from kvtier.harness import mooncake
+from kvtier.harness.embedded import MissingServerBinary, ServerStartError
 from tests.netns_runner import NetnsUnavailable, run_pytest_in_private_netns
 
 

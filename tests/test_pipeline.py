@@ -89,7 +89,7 @@ def test_vanish_watcher_detects_a_transient_vanish():
 def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redis_client):
     import zmq
 
-    from kvtier.embedded import free_port
+    from kvtier.harness.embedded import free_port
 
     base = None
     for _ in range(20):  # two consecutive free ports for the two ranks

@@ -12,13 +12,21 @@ import time
 import msgspec
 import pytest
 
-from kvtier.embedded import free_port
-from kvtier.probe import CachedTokens, Evidence, Verdict, cached_tokens_of, collect_evidence, judge, worker_ttft_of
+from kvtier.harness.embedded import free_port
 from kvtier.producers.sim_worker import free_port_block
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
 from kvtier.schemas.tiers import Tier
+from kvtier.tools.probe import (
+    CachedTokens,
+    Evidence,
+    Verdict,
+    cached_tokens_of,
+    collect_evidence,
+    judge,
+    worker_ttft_of,
+)
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
 from .router_helpers import answers

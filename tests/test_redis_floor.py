@@ -27,7 +27,7 @@ def declared_floor() -> str:
 SCRIPT = textwrap.dedent('''
     import sys, time
     import redis
-    from kvtier.connections import redis_client
+    from kvtier.plumbing.connections import redis_client
     from kvtier.consumers.apply import TierStateWriter
     from kvtier.consumers.ownership import PartitionLeases
     from kvtier.schemas.events import BridgeCursor, EventBatch, PagesStored, WorkerAnnounce

@@ -21,7 +21,6 @@ import msgspec
 import pytest
 import redis
 
-from kvtier.replay import DEFAULT_ROOT, RetentionBoundary, StreamReplayError, read_states, rebuild, scratch_target
 from kvtier.router import scoring
 from kvtier.schemas.events import (
     AllCleared,
@@ -38,6 +37,7 @@ from kvtier.schemas.state_keys import ModelKeys, page_member
 from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM, decisions_subject, events_subject
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import WorkerMetadata
+from kvtier.tools.replay import DEFAULT_ROOT, RetentionBoundary, StreamReplayError, read_states, rebuild, scratch_target
 
 from .helpers import (
     HiCacheWorkload,
@@ -91,7 +91,7 @@ async def _publish(nats_url: str, messages) -> list[int]:
     """Publish kvtier messages as a bridge would (batches with their Nats-Msg-Id); stream seqs."""
     import nats
 
-    from kvtier.streams import StreamSettings, ensure_streams
+    from kvtier.plumbing.streams import StreamSettings, ensure_streams
 
     nc = await nats.connect(nats_url)
     try:
@@ -521,9 +521,9 @@ def test_replay_refuses_a_point_older_than_retention(nats_server, redis_server, 
 def test_explain_rescoring_is_pure_and_covers_sampling_ties_and_stale_only():
     """`explain()` on hand-made inputs: temperature sampling, a tie broken by the draw, a
     decision among stale workers only, and a live worker the decision did not consider."""
-    from kvtier.explain import explain as explain_decision
     from kvtier.router.state import WorkerStatus, WorkerView
     from kvtier.schemas.routing import CandidateScore
+    from kvtier.tools.explain import explain as explain_decision
 
     def decision(weights, u, cands, degraded=()):
         values = scoring.logits(8, [scoring.CandidateInputs(w, o, p, d) for w, o, p, d in cands], weights)

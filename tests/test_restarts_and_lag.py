@@ -15,6 +15,7 @@ import time
 import nats
 
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.plumbing.streams import StreamSettings, ensure_streams
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.events import (
     BridgeCursor,
@@ -30,7 +31,6 @@ from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, events_subject
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import WorkerMetadata
-from kvtier.streams import StreamSettings, ensure_streams
 
 from .helpers import bridge_process, processor_process, stop_all, wait_until
 from .router_helpers import RouterProcess, StateSeeder, http, request_tokens
@@ -593,7 +593,7 @@ def test_a_duplicate_that_was_not_a_retry_is_an_error(nats_server):
 
 
 def test_doctor_names_a_partial_worker_and_what_it_costs():
-    from kvtier.doctor import RedisView, Status, WorkerRecord, check_workers
+    from kvtier.tools.doctor import RedisView, Status, WorkerRecord, check_workers
 
     view = RedisView(url="redis://x", reachable=True, models=[MODEL], workers=[
         WorkerRecord(model=MODEL, worker="w0", lease_left_s=5.0, partial=True),

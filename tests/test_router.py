@@ -12,7 +12,7 @@ import time
 import msgspec
 import pytest
 
-from kvtier.embedded import RedisServer
+from kvtier.harness.embedded import RedisServer
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.routing import RouteDecision
 from kvtier.schemas.state_keys import ModelKeys

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import urllib.request
 
-from kvtier.embedded import free_port
+from kvtier.harness.embedded import free_port
 from kvtier.schemas.state_keys import ModelKeys
 
 from .helpers import stop_all, wait_until

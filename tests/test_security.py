@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvtier.embedded import NatsServer
+from kvtier.harness.embedded import NatsServer
 
 from .helpers import (
     HiCacheWorkload,
@@ -446,8 +446,8 @@ def test_nats_option_errors_are_one_line(tmp_path):
 
 
 def test_redaction_helpers():
-    from kvtier.connections import redact
-    from kvtier.nats_options import NatsOptions, redact_nats, split_credentials
+    from kvtier.plumbing.connections import redact
+    from kvtier.plumbing.nats_options import NatsOptions, redact_nats, split_credentials
 
     assert (redact("rediss://kvtier:p@ss@h:6379/0?ssl_ca_certs=/ca.pem")
             == "rediss://kvtier:***@h:6379/0?ssl_ca_certs=/ca.pem")

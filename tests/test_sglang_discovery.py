@@ -34,7 +34,7 @@ import zmq
 from aiohttp import web
 
 from kvtier.consumers.apply import read_worker_pages
-from kvtier.embedded import free_port, port_is_free
+from kvtier.harness.embedded import free_port, port_is_free
 from kvtier.producers.sglang_discovery import (
     DiscoveryError,
     WorkerFlags,

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
-from kvtier.embedded import free_port, port_is_free
+from kvtier.harness.embedded import free_port, port_is_free
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.tiers import Tier
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.embedded import NatsServer, RedisServer, ServerStartError, find_redis_server, free_port
+from kvtier.harness.embedded import NatsServer, RedisServer, ServerStartError, find_redis_server, free_port
 
 
 def have_openssl() -> bool:

@@ -30,7 +30,7 @@ Recovery time = from the repair (restart / SIGCONT) until every worker's applied
 caught up with what its engine emitted since (the applied batch's engine timestamp is past
 the repair), no worker is stale and no model is rebuilding. At the end the engines stop,
 the state settles, and the live state is compared page for page with (a) a state rebuilt
-from the stream by `kvtier replay`'s own rebuild (`kvtier/replay.py`) and (b) each engine's
+from the stream by `kvtier replay`'s own rebuild (`kvtier/tools/replay.py`) and (b) each engine's
 own view of its pages (`HiCacheSim.tiers()`).
 """
 
@@ -53,7 +53,7 @@ import redis
 
 from kvtier.bench.processes import KvtierSubprocess
 from kvtier.consumers.apply import read_worker_pages
-from kvtier.embedded import NatsServer, RedisServer
+from kvtier.harness.embedded import NatsServer, RedisServer
 from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys
@@ -493,10 +493,10 @@ def _summary(values: list[float]) -> dict:
 
 # --- the comparison ------------------------------------------------------------------------
 def compare(cluster: Cluster) -> dict:
-    """Live state vs a replay of the stream (kvtier/replay.py) and vs each engine's view."""
-    from kvtier.replay import diff_states, read_states, rebuild, scratch_target
+    """Live state vs a replay of the stream (kvtier/tools/replay.py) and vs each engine's view."""
     from kvtier.schemas.hashes import page_key
     from kvtier.schemas.state_keys import page_member
+    from kvtier.tools.replay import diff_states, read_states, rebuild, scratch_target
 
     scratch = scratch_target(cluster.redis.url)
     try:

@@ -842,7 +842,7 @@ def check_mooncake_reply(data: bytes) -> bool:
 
 
 def check_generate_reply(data: bytes) -> bool:
-    from kvtier.probe import cached_tokens_of, worker_ttft_of
+    from kvtier.tools.probe import cached_tokens_of, worker_ttft_of
 
     try:
         meta = decode_generate_meta_info(data)
@@ -856,7 +856,7 @@ def check_generate_reply(data: bytes) -> bool:
 
 
 def check_router_health(data: bytes) -> bool:
-    from kvtier.doctor import RedisView, RouterView, check_page_sizes, check_routers
+    from kvtier.tools.doctor import RedisView, RouterView, check_page_sizes, check_routers
 
     try:
         health = decode_router_health(data)
@@ -1329,8 +1329,8 @@ class ProcessorStack:
     async def _ensure_streams(self) -> None:
         import nats
 
+        from kvtier.plumbing.streams import StreamSettings, ensure_streams
         from kvtier.schemas.subjects import EVENTS_STREAM
-        from kvtier.streams import StreamSettings, ensure_streams
 
         nc = await nats.connect(self.nats_url)
         try:
@@ -1471,7 +1471,7 @@ class StubEngine:
 
 
 def _free_port() -> int:
-    from kvtier.embedded import free_port
+    from kvtier.harness.embedded import free_port
 
     return free_port()
 
@@ -1676,7 +1676,7 @@ def _split(total: int, targets: list[Target]) -> dict[str, int]:
 
 
 def run_fuzz_bench(args) -> int:
-    from kvtier.embedded import NatsServer, RedisServer
+    from kvtier.harness.embedded import NatsServer, RedisServer
 
     cases, seed = args.cases, args.seed
     results: dict[str, TargetResult] = {}

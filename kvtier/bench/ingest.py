@@ -21,12 +21,12 @@ import time
 
 import redis
 
-from kvtier.embedded import NatsServer, RedisServer
+from kvtier.harness.embedded import NatsServer, RedisServer
+from kvtier.plumbing.streams import StreamSettings, ensure_streams
 from kvtier.schemas.events import EventBatch, PagesRemoved, PagesStored, encode_message, pack_token_ids
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import events_subject
 from kvtier.schemas.tiers import Tier
-from kvtier.streams import StreamSettings, ensure_streams
 
 MODEL = "bench-model"
 

@@ -86,8 +86,8 @@ class PipelinePolicy:
         import aiohttp
         from aiohttp import web
 
-        from kvtier.connections import redis_async_client
-        from kvtier.embedded import free_port
+        from kvtier.harness.embedded import free_port
+        from kvtier.plumbing.connections import redis_async_client
         from kvtier.producers.sglang_publisher import SglangEventPublisher
         from kvtier.producers.sim_worker import free_port_block, pool_query_response
 
@@ -231,7 +231,7 @@ class running_stack:
         self._processor: KvtierSubprocess | None = None
 
     def __enter__(self) -> PipelineStack:
-        from kvtier.embedded import NatsServer, RedisServer
+        from kvtier.harness.embedded import NatsServer, RedisServer
 
         try:
             nats_server = NatsServer()

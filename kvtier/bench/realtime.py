@@ -83,7 +83,7 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
     import aiohttp
     import redis as redis_sync
 
-    from kvtier.embedded import free_port
+    from kvtier.harness.embedded import free_port
     from kvtier.producers.sim_worker import free_port_block
     from kvtier.schemas.state_keys import ModelKeys
 
@@ -259,7 +259,7 @@ def run_realtime(requests, shape, time_scale, policies, seed, progress=None, log
     """Embedded nats-server + Redis + one processor, then every policy in turn."""
     import tempfile
 
-    from kvtier.embedded import NatsServer, RedisServer
+    from kvtier.harness.embedded import NatsServer, RedisServer
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvtier-replay-")
     with NatsServer() as nats_server, RedisServer() as redis_server:

@@ -29,7 +29,7 @@ import time
 import redis
 
 from kvtier.consumers.apply import TierStateWriter
-from kvtier.embedded import RedisServer
+from kvtier.harness.embedded import RedisServer
 from kvtier.schemas.events import BridgeCursor, EventBatch, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import sglang_block_hashes, sglang_page_digests
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
@@ -208,7 +208,7 @@ def run_route_bench(args) -> int:
 
 
 def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
-    from kvtier.mooncake import MooncakeMaster, SharedPoolWriter, in_private_netns
+    from kvtier.harness.mooncake import MooncakeMaster, SharedPoolWriter, in_private_netns
 
     if not in_private_netns():
         raise SystemExit("kvtier bench route --shared-pool runs a Mooncake master, whose metadata server "
@@ -250,7 +250,7 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
     import urllib.request
 
     from kvtier.bench.processes import KvtierSubprocess
-    from kvtier.embedded import free_port
+    from kvtier.harness.embedded import free_port
 
     port = free_port()
     proc = KvtierSubprocess(["router", "--redis", redis_url, "--http-port", str(port), "--log-level", "WARNING"],

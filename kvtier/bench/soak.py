@@ -107,7 +107,7 @@ class SoakConfig:
     lease_ttl_s: float = 5.0
     heartbeat_s: float = 1.0
     #: retention of the events and decisions streams; JetStream refuses a max age below the
-    #: events stream's duplicate window (120 s, kvtier/streams.py)
+    #: events stream's duplicate window (120 s, kvtier/plumbing/streams.py)
     stream_max_age_s: float = 120.0
     #: trace load before the measured run (then every rank is flushed and the baseline taken):
     #: the processes' bounded caches fill here (the processor's hash-check cache: ~190k fresh
@@ -655,7 +655,7 @@ class Soak:
         return proc
 
     def start_stack(self, nats_url: str, redis_url: str) -> None:
-        from kvtier.embedded import free_port
+        from kvtier.harness.embedded import free_port
         from kvtier.producers.sim_worker import free_port_block
 
         cfg = self.cfg
@@ -1076,7 +1076,7 @@ class Soak:
 
 
 def run_soak(cfg: SoakConfig, progress=None) -> dict:
-    from kvtier.embedded import NatsServer, RedisServer
+    from kvtier.harness.embedded import NatsServer, RedisServer
 
     log_dir = tempfile.mkdtemp(prefix="kvtier-soak-")
     soak = Soak(cfg, log_dir, progress)
@@ -1125,7 +1125,7 @@ async def _precreate_decisions(nats_url: str, max_age_s: float) -> None:
     """The routers' decision log with the soak's retention (routers keep an existing stream)."""
     import nats
 
-    from kvtier.streams import ensure_decisions_stream
+    from kvtier.plumbing.streams import ensure_decisions_stream
 
     nc = await nats.connect(nats_url)
     try:

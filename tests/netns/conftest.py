@@ -3,7 +3,7 @@ namespace: tests/test_mooncake_master.py runs this folder there (tests/netns_run
 
 import pytest
 
-from kvtier.mooncake import MooncakeMaster, SharedPoolWriter, in_private_netns
+from kvtier.harness.mooncake import MooncakeMaster, SharedPoolWriter, in_private_netns
 
 
 def pytest_collection_modifyitems(items):

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from kvtier.mooncake import MAX_KEYS_PER_QUERY, MooncakeMaster, in_private_netns, query_keys
+from kvtier.harness.mooncake import MAX_KEYS_PER_QUERY, MooncakeMaster, in_private_netns, query_keys
 
 
 def digest(label: str) -> str:

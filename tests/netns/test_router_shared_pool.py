@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kvtier.embedded import RedisServer
+from kvtier.harness.embedded import RedisServer
 from kvtier.router.hashing import RequestPages
 from kvtier.schemas.mooncake import mooncake_object_keys
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
@@ -98,7 +98,7 @@ def test_a_page_counts_only_if_all_its_keys_exist(redis_server, mooncake_master,
 
 
 def test_dead_master_and_page_size_mismatch_degrade_not_fail(redis_server, mooncake_master, shared_pool_writer):
-    from kvtier.embedded import free_port
+    from kvtier.harness.embedded import free_port
 
     layout = MooncakeLayout()
     tokens = request_tokens(4, 1, seed=13)

@@ -4,8 +4,8 @@ and the master's own existence query sees them."""
 
 from __future__ import annotations
 
-from kvtier.embedded import free_port
-from kvtier.mooncake import query_keys
+from kvtier.harness.embedded import free_port
+from kvtier.harness.mooncake import query_keys
 from kvtier.producers.sim_worker import free_port_block
 from kvtier.router.hashing import RequestPages
 from kvtier.schemas.mooncake import mooncake_object_keys

@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from kvtier.connections import redact, redis_client
+from kvtier.plumbing.connections import redact, redis_client
 from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
 from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
@@ -500,9 +500,9 @@ class Probe:
 
     async def _connect(self) -> None:
         self.redis = redis_client(self.config.redis_url, socket_timeout=5, socket_connect_timeout=5)
-        from kvtier.nats_options import NatsConnectError, connect_once, redact_nats
+        from kvtier.plumbing.nats_options import NatsConnectError, connect_once, redact_nats
 
-        try:  # with the process's NATS credentials and TLS (kvtier/nats_options.py)
+        try:  # with the process's NATS credentials and TLS (kvtier/plumbing/nats_options.py)
             self.nc = await connect_once(self.config.nats_url, "kvtier-probe", connect_timeout=3,
                                          reconnect_time_wait=0.5, allow_reconnect=False)
             self.js = self.nc.jetstream()

@@ -8,7 +8,7 @@ import time
 
 import redis
 
-from kvtier.connections import redis_client
+from kvtier.plumbing.connections import redis_client
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.tiers import TIER_PRIORITY
 

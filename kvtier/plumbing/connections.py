@@ -38,7 +38,7 @@ _tls_ca = ""
 
 
 def configure(*, tls_ca: str = "") -> None:
-    """Process-wide Redis settings from the command line (kvtier/cli.py): the CA bundle that
+    """Process-wide Redis settings from the command line (kvtier/commands/flags.py): the CA bundle that
     verifies the server's certificate; with it every Redis URL of the process is TLS."""
     global _tls_ca
     if tls_ca and not os.access(tls_ca, os.R_OK):

@@ -47,10 +47,10 @@ async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, r
     """Connect to NATS, waiting (with a clear warning each time) while it is unreachable:
     a service started before its broker comes up once the broker does. Returns None if
     `stop` is set first. After the first connection nats-py reconnects by itself.
-    `options` (kvtier.nats_options.NatsOptions: credentials, TLS) default to the ones the
+    `options` (kvtier.plumbing.nats_options.NatsOptions: credentials, TLS) default to the ones the
     command line set for this process. Refused credentials or an untrusted certificate are
     retried too, each time with a warning that says so (never with the secret)."""
-    from kvtier.nats_options import NatsOptionsError, configured, explain, redact_nats
+    from kvtier.plumbing.nats_options import NatsOptionsError, configured, explain, redact_nats
 
     options = options or configured()
     shown = redact_nats(url)

@@ -1,8 +1,8 @@
 """How kvtier authenticates to NATS and secures its connections.
 
 One `NatsOptions`, built from the command line and the environment in one place
-(`kvtier/cli.py`, `--nats-*` flags, each also `KVTIER_NATS_*`), is used by every NATS
-connection a command opens: the services through `kvtier.streams.connect_nats` (which keeps
+(`kvtier/commands/flags.py`, `--nats-*` flags, each also `KVTIER_NATS_*`), is used by every NATS
+connection a command opens: the services through `kvtier.plumbing.streams.connect_nats` (which keeps
 retrying), the one-shot tools through `connect_once` (which fails with one clear line).
 
   credentials  user/password (`nats://user:pass@host` or --nats-user/--nats-password),

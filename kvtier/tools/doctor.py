@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvtier.connections import redact, redis_client
+from kvtier.plumbing.connections import redact, redis_client
 from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
 from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.router_health import RouterHealth, decode_router_health
@@ -754,8 +754,8 @@ def _hicache_on(meta: WorkerMetadata) -> bool:
 def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
     import redis
 
-    from kvtier.inspect import collect
     from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
+    from kvtier.tools.inspect import collect
 
     client = redis_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     token = ModelKeys.for_model(model).model_token if model else None
@@ -824,9 +824,9 @@ async def observe_nats(url: str, workers: list[WorkerRecord], timeout: float) ->
     import nats
     import nats.js.errors
 
-    from kvtier.nats_options import NatsOptionsError, configured, explain, redact_nats
+    from kvtier.plumbing.nats_options import NatsOptionsError, configured, explain, redact_nats
+    from kvtier.plumbing.streams import partitions_of
     from kvtier.schemas.events import EventBatch, WorkerAnnounce, WorkerExpired, decode_message
-    from kvtier.streams import partitions_of
 
     seen: list[BaseException] = []
 

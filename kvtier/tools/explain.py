@@ -2,7 +2,7 @@
 from the event stream.
 
 1. Find the decision in KVTIER_DECISIONS (every decision a router made with `--nats`).
-2. Rebuild the model's tier state as of the decision's timestamp (kvtier/replay.py: the
+2. Rebuild the model's tier state as of the decision's timestamp (kvtier/tools/replay.py: the
    processor's own apply code, into a scratch namespace). Decisions do not record a position
    in KVTIER_EVENTS, so the moment is the decision's time: an event stored just before it but
    not yet applied by a processor then shows up as a difference.
@@ -28,9 +28,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvtier.connections import redis_async_client
 from kvtier.consumers.pull import read_backward
-from kvtier.replay import (
+from kvtier.plumbing.connections import redis_async_client
+from kvtier.router import scoring
+from kvtier.router.core import DEGRADED_ONLY_STALE, DEGRADED_STATE_STORE
+from kvtier.router.hashing import RequestPages
+from kvtier.router.state import OverlapReader, WorkerStatus
+from kvtier.schemas.hashes import PageDigest, page_keys_blob
+from kvtier.schemas.routing import RouteDecision, TierOverlap
+from kvtier.schemas.state_keys import ModelKeys
+from kvtier.schemas.subjects import DECISIONS_PREFIX, DECISIONS_STREAM, decisions_subject
+from kvtier.tools.replay import (
     RetentionBoundary,
     StreamReplayError,
     connect,
@@ -40,14 +48,6 @@ from kvtier.replay import (
     scratch_target,
     stream_bounds,
 )
-from kvtier.router import scoring
-from kvtier.router.core import DEGRADED_ONLY_STALE, DEGRADED_STATE_STORE
-from kvtier.router.hashing import RequestPages
-from kvtier.router.state import OverlapReader, WorkerStatus
-from kvtier.schemas.hashes import PageDigest, page_keys_blob
-from kvtier.schemas.routing import RouteDecision, TierOverlap
-from kvtier.schemas.state_keys import ModelKeys
-from kvtier.schemas.subjects import DECISIONS_PREFIX, DECISIONS_STREAM, decisions_subject
 
 TIERS = ("device", "host", "disk", "predicted")
 _EPS = 1e-9

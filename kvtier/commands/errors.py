@@ -8,9 +8,9 @@ import errno
 def user_facing(exc: BaseException) -> str | None:
     from kvtier.bench.dynamo_side import DynamoMissing
     from kvtier.consumers.pull import StreamReadError
-    from kvtier.embedded import MissingServerBinary, ServerStartError
-    from kvtier.mooncake import MooncakeError
-    from kvtier.streams import StreamMismatch
+    from kvtier.harness.embedded import MissingServerBinary, ServerStartError
+    from kvtier.harness.mooncake import MooncakeError
+    from kvtier.plumbing.streams import StreamMismatch
 
     if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, StreamReadError, DynamoMissing,
                         MooncakeError, ValueError)):

@@ -37,14 +37,14 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 import redis
 
-from kvtier.connections import redact, redis_client
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.consumers.pull import StoredMessage, StreamReader
+from kvtier.plumbing.connections import redact, redis_client
+from kvtier.plumbing.timefmt import iso, parse_time  # re-exported for explain and events tail
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
-from kvtier.timefmt import iso, parse_time  # re-exported for explain and events tail
 
 #: Prefix of generated scratch namespaces.
 SCRATCH_PREFIX = "kvtreplay-"
@@ -64,9 +64,9 @@ class RetentionBoundary(StreamReplayError):
 
 # --- reading a stream ----------------------------------------------------------------------
 async def connect(url: str):
-    from kvtier.nats_options import NatsConnectError, connect_once
+    from kvtier.plumbing.nats_options import NatsConnectError, connect_once
 
-    try:  # with the process's NATS credentials and TLS (kvtier/nats_options.py)
+    try:  # with the process's NATS credentials and TLS (kvtier/plumbing/nats_options.py)
         return await connect_once(url, "kvtier-replay", connect_timeout=5, max_reconnect_attempts=2,
                                   allow_reconnect=True)
     except NatsConnectError as exc:  # one clear line, no secret in it
@@ -514,7 +514,7 @@ def print_states(states: dict[tuple[str, str], WorkerState], now_ms: float) -> N
 
 
 def run_replay(args) -> int:
-    """`kvtier replay` (kvtier/cli.py sends `kvtier replay explain` to kvtier/explain.py's run_explain)."""
+    """`kvtier replay` (kvtier/commands/replay.py sends `kvtier replay explain` to kvtier/tools/explain.py)."""
     if not args.redis:
         raise StreamReplayError("kvtier replay needs --redis URL (or KVTIER_REDIS)")
     if args.drop is not None:

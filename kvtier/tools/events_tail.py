@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier.consumers.pull import StoredMessage, StreamReader, read_backward
-from kvtier.replay import connect, events_filter, iso, parse_time, stream_bounds
 from kvtier.schemas.events import (
     AllCleared,
     EventBatch,
@@ -31,6 +30,7 @@ from kvtier.schemas.events import (
 )
 from kvtier.schemas.hashes import page_key
 from kvtier.schemas.subjects import EVENTS_STREAM
+from kvtier.tools.replay import connect, events_filter, iso, parse_time, stream_bounds
 
 KINDS = ("stored", "removed", "cleared", "announce")
 TIERS = ("device", "host", "disk", "external")

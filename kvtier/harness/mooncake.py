@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvtier.embedded import MissingServerBinary, ServerStartError, _Server, free_port
+from kvtier.harness.embedded import MissingServerBinary, ServerStartError, _Server, free_port
 from kvtier.schemas.mooncake import decode_batch_query_reply
 
 # Measured with 0.3.13.post1 on loopback, keys of 66 characters (64-hex digest + "_0_k"): the

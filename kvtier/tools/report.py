@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from kvtier.consumers.analytics import MessageFeeder, decision_filters, event_filters
 from kvtier.consumers.analytics_model import HIT_TIERS, TIER_NAMES, TierAnalytics
 from kvtier.consumers.pull import read_stream
+from kvtier.plumbing.timefmt import TimeFormatError, iso, parse_time
 from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM
-from kvtier.timefmt import TimeFormatError, iso, parse_time
 
 MOVE_KINDS = ("stored", "removed", "copy", "promotion", "demotion", "eviction")
 DROP_KINDS = ("cleared", "new_epoch", "gap", "lease_expired")
@@ -52,9 +52,9 @@ class ReportData:
 
 async def collect(nats_url: str, since: float, until: float, model: str | None = None, bins: int = 60,
                   writeback_window_s: float = 2.0) -> ReportData:
-    from kvtier.nats_options import NatsConnectError, connect_once
+    from kvtier.plumbing.nats_options import NatsConnectError, connect_once
 
-    try:  # with the process's NATS credentials and TLS (kvtier/nats_options.py)
+    try:  # with the process's NATS credentials and TLS (kvtier/plumbing/nats_options.py)
         nc = await connect_once(nats_url, "kvtier-report", connect_timeout=5, max_reconnect_attempts=2)
     except NatsConnectError as exc:  # one clear line, no secret in it
         raise ReportError(str(exc)) from None

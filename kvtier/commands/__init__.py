@@ -1,0 +1,1 @@
+"""The `kvtier` command's subcommands, one small module each (README.md)."""

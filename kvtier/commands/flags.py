@@ -1,0 +1,294 @@
+"""What every `kvtier` subcommand shares: the parser class that reads KVTIER_<FLAG> from the
+environment, argument types, the common flags (logging, metrics, credentials and TLS), the
+stream flags, the trace/cluster flags of demo, tune and bench replay, and running an async
+main until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+
+from kvtier.plumbing.streams import DEFAULT_PARTITIONS, StreamSettings
+from kvtier.producers.cost_model import add_cost_model_arguments
+
+
+def env_name(flag: str) -> str:
+    return "KVTIER_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+#: Flags whose values are secrets: --help never shows their value (nor one from the environment).
+_SECRET_FLAG = re.compile(r"(password|token|api-key)$")
+
+
+class HideSecretDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        if getattr(action, "kvtier_secret", False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class EnvDefaults(argparse.ArgumentParser):
+    """ArgumentParser whose options take their default from KVTIER_<FLAG>. An environment
+    value is checked like a command-line one (type and choices); a bad one is reported as a
+    usage error of the command that uses it, never as a traceback, and never breaks another
+    command (the parser of every subcommand is built whichever one runs). Abbreviated flags are
+    refused, so adding a flag can never change what an existing command line means."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        if kwargs.get("formatter_class") is argparse.ArgumentDefaultsHelpFormatter:
+            kwargs["formatter_class"] = HideSecretDefaults  # --help shows no secret's value
+        super().__init__(*args, **kwargs)
+        self._env_errors: list[str] = []
+
+    def add_argument(self, *names, **kwargs):  # type: ignore[override]
+        flag = next((n for n in names if n.startswith("--")), None)
+        if flag and flag != "--help":
+            env = env_name(flag)
+            kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
+            if env in os.environ:
+                raw = os.environ[env]
+                try:
+                    kwargs["default"] = _env_value(raw, kwargs)
+                except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                    self._env_errors.append(f"{env}={raw!r} (for {flag}): {exc}")
+                    kwargs["default"] = None
+                kwargs["required"] = False
+        action = super().add_argument(*names, **kwargs)
+        if flag and _SECRET_FLAG.search(flag):
+            action.kvtier_secret = True
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._env_errors:
+            self.error("; ".join(self._env_errors))
+        return super().parse_known_args(args, namespace)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _env_value(raw: str, kwargs: dict):
+    if kwargs.get("action") == "store_true":
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+    value = kwargs["type"](raw) if "type" in kwargs else raw
+    choices = kwargs.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"invalid choice (choose from {', '.join(map(str, choices))})")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def worker_id_text(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9_\-]{1,128}", text):
+        raise argparse.ArgumentTypeError(
+            f"worker id {text!r} must be 1-128 characters of letters, digits, '_' or '-' "
+            "(it becomes a NATS subject token and part of Redis keys)")
+    return text
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def partition_list(text: str) -> list[int] | str | None:
+    if text in ("", "all"):
+        return None
+    if text == "auto":
+        return "auto"
+    parts: list[int] = []
+    for piece in text.split(","):
+        if "-" in piece:
+            lo, hi = piece.split("-", 1)
+            parts.extend(range(int(lo), int(hi) + 1))
+        else:
+            parts.append(int(piece))
+    if any(p < 0 for p in parts):
+        raise argparse.ArgumentTypeError("partitions are non-negative integers")
+    return sorted(set(parts))
+
+
+def url_list(text: str) -> list[str]:
+    """One URL or several, comma-separated (for flags given more than once, or from the environment)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+class UrlListAction(argparse.Action):
+    """Repeatable flag taking comma-separated URLs; the first use on the command line replaces
+    the environment's default instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        if current is self.default or current is None:
+            current = []
+        setattr(namespace, self.dest, [*current, *values])
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="Log verbosity.")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off).")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="Address the metrics server binds to.")
+    add_security_flags(p)
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    """Credentials and TLS for the NATS and Redis connections of a command that makes them
+    (kvtier/plumbing/nats_options.py, kvtier/plumbing/connections.py). Secrets are best given by environment."""
+    options = getattr(p, "_option_string_actions", {})
+    if "--nats" in options:
+        # (plain add_argument, not a group: a group would bypass EnvDefaults and its KVTIER_* defaults)
+        p.add_argument("--nats-user", default="",
+                       help="NATS user (with --nats-password; or user:password@ in the --nats URL).")
+        p.add_argument("--nats-password", default="", help="NATS password (prefer the environment variable).")
+        p.add_argument("--nats-token", default="",
+                       help="NATS authentication token (prefer the environment variable; or TOKEN@ in the URL).")
+        p.add_argument("--nats-nkey-seed", default="", metavar="FILE",
+                       help="File holding the NKey seed (SU...) of an NKey user.")
+        p.add_argument("--nats-creds", default="", metavar="FILE", help="NATS credentials file (user JWT and seed).")
+        p.add_argument("--nats-tls-ca", default="", metavar="FILE",
+                       help="CA bundle (PEM) that signed the server's certificate; implies TLS (as does tls://).")
+        p.add_argument("--nats-tls-cert", default="", metavar="FILE",
+                       help="Client certificate (PEM), for servers that verify clients.")
+        p.add_argument("--nats-tls-key", default="", metavar="FILE", help="The client certificate's key (PEM).")
+    if "--redis" in options:
+        p.add_argument("--redis-tls-ca", default="", metavar="FILE",
+                       help="CA bundle (PEM) that signed the Redis server's certificate; implies TLS (as do "
+                            "rediss:// and ?ssl_ca_certs=FILE in the URL). An ACL user and password go in the URL: "
+                            "redis://USER:PASSWORD@host:6379/0.")
+
+
+def configure_connections(args) -> None:
+    """The one place the NATS options and the Redis TLS settings of this process are built."""
+    from kvtier.plumbing import connections
+    from kvtier.plumbing.nats_options import NatsOptions, configure
+
+    try:
+        configure(NatsOptions.from_args(args))
+        connections.configure(tls_ca=(getattr(args, "redis_tls_ca", None) or "").strip())
+    except ValueError as exc:
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def add_stream_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-partitions", type=positive_int, default=None,
+                   help=f"Partitions of the events stream when this process creates it (default "
+                        f"{DEFAULT_PARTITIONS}). If the stream exists with another count, giving this flag is an "
+                        "error.")
+    p.add_argument("--stream-max-age", type=positive_float, default=None,
+                   help="Keep events this many seconds in the stream: how far back `kvtier replay` reaches "
+                        "(default 86400 when creating it). Given explicitly, an existing stream is updated to it.")
+    p.add_argument("--stream-max-bytes", type=int, default=None,
+                   help="Cap the events stream's size in bytes, oldest dropped first (default -1: no cap, when "
+                        "creating it). Given explicitly, an existing stream is updated to it.")
+    p.add_argument("--stream-replicas", type=positive_int, default=1,
+                   help="JetStream replicas of the streams (1 for a single server, 3 for a cluster).")
+
+
+def stream_settings(args) -> tuple[StreamSettings, bool]:
+    defaults = StreamSettings()
+    return StreamSettings(
+        partitions=args.stream_partitions or DEFAULT_PARTITIONS,
+        max_age_s=args.stream_max_age if args.stream_max_age is not None else defaults.max_age_s,
+        max_bytes=args.stream_max_bytes if args.stream_max_bytes is not None else defaults.max_bytes,
+        replicas=args.stream_replicas,
+        retention_explicit=args.stream_max_age is not None or args.stream_max_bytes is not None,
+    ), args.stream_partitions is not None
+
+
+
+def add_cluster_arguments(p) -> None:
+    """The trace and the simulated cluster of `kvtier bench replay` and `kvtier tune`."""
+    p.add_argument("--trace", default=None,
+                   help="Trace file (Mooncake FAST'25 JSONL format, .gz too); default: the whole public conversation "
+                        "trace shipped with kvtier (kvtier/data).")
+    p.add_argument("--requests", type=positive_int, default=None, help="Only the first N requests.")
+    p.add_argument("--workers", type=positive_int, default=8, help="Simulated workers.")
+    p.add_argument("--page-size", type=positive_int, default=64, help="Tokens per KV page.")
+    p.add_argument("--device-pages", type=positive_int, default=2048, help="GPU pool per worker, in pages.")
+    p.add_argument("--host-pages", type=non_negative_int, default=16384,
+                   help="Host pool per worker, in pages (0: HiCache off).")
+    p.add_argument("--l3-pages", type=positive_int, default=None,
+                   help="Shared L3 pool, in pages (default: the workers' host pools together).")
+    p.add_argument("--no-l3", action="store_true", help="No shared L3 pool in the simulated cluster.")
+    p.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                   default="write_through")
+    p.add_argument("--dma-delay-ms", type=non_negative_float, default=2.0,
+                   help="Simulated device->host copy time before the host store event.")
+    add_cost_model_arguments(p)
+
+
+
+def interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def setup(args) -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
+    if args.command in ("bench", "demo"):
+        # SIGTERM unwinds like Ctrl-C, so the embedded servers these start are stopped too.
+        signal.signal(signal.SIGTERM, interrupt)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_connections(args)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+
+
+def run_until_signal(main) -> None:
+    """Run an async main(stop_event) until it returns or SIGTERM/SIGINT sets the event."""
+    try:
+        import uvloop  # type: ignore
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def runner():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())

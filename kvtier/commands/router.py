@@ -1,0 +1,107 @@
+"""`kvtier router`: a stateless routing replica over HTTP (router/service.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.commands.flags import add_common, positive_float, positive_int, run_until_signal
+from kvtier.router.weight_flags import add_scoring_weight_arguments, scoring_weights_from
+
+
+def register(sub) -> None:
+    r = sub.add_parser("router", help="Serve tier-aware routing decisions over HTTP (a stateless replica).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("--redis", required=True, help="Redis URL holding the tier state, e.g. redis://127.0.0.1:6379/0.")
+    r.add_argument("--nats", default="", help="NATS URL for the decision log (kvtier.decisions.<model>); '' = off.")
+    r.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds to.")
+    r.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one, printed at start).")
+    r.add_argument("--router-mode", choices=["kv", "load", "round-robin", "random"], default="kv",
+                   help="kv: tier-aware scoring; load: booked load only (cache weights 0); round-robin / random: "
+                        "baselines for A/B tests (the turn is shared by every replica; decisions still report "
+                        "the scores and book load).")
+    r.add_argument("--seed", type=int, default=None,
+                   help="Seed the random draws that break ties (reproducible decisions, e.g. in replays).")
+    r.add_argument("--shared-cache-type", choices=["none", "hicache"], default="none",
+                   help="hicache: credit pages workers can fetch from the shared Mooncake pool.")
+    r.add_argument("--mooncake-master", default="",
+                   help="The Mooncake master's HTTP address (its metrics port, serving /batch_query_keys).")
+    r.add_argument("--shared-cache-timeout-ms", type=positive_float, default=50.0,
+                   help="Budget for the shared-pool query; past it the decision scores without it.")
+    add_scoring_weight_arguments(r)
+    r.add_argument("--predicted-pages", choices=["on", "off"], default="off",
+                   help="Book each request's pages as predicted device pages on its worker until it completes, "
+                        "visible to every replica (pages its events may not show yet). Pays off when requests "
+                        "sharing a new context arrive together (fan-out); costs Redis memory per in-flight page "
+                        "(BENCHMARKS.md).")
+    r.add_argument("--page-size", type=positive_int, default=None,
+                   help="Expected worker page size; workers announcing another get no shared-pool credit "
+                        "(default: trust each worker's announced size).")
+    r.add_argument("--booking-ttl", type=positive_float, default=600.0, dest="booking_ttl_s",
+                   help="Seconds a booking holds load if never released (a router died mid-request).")
+    r.add_argument("--state-timeout-ms", type=positive_float, default=250.0,
+                   help="Redis call budget; past it the decision routes by load/round robin.")
+    r.add_argument("--max-request-tokens", type=positive_int, default=1 << 18,
+                   help="Longest token_ids accepted (longer: 413). The overlap walk of a request grows with its "
+                        "pages; a 10^6-token request takes ~0.6 s of Redis time here, past the default "
+                        "--state-timeout-ms, and would send this replica to load-only routing for everyone: raise "
+                        "both together for very long contexts.")
+    r.add_argument("--max-body-bytes", type=positive_int, default=32 << 20, help="Largest request body (413).")
+    r.add_argument("--proxy", action="store_true",
+                   help="Also serve SGLang's /generate: route, forward to the worker, stream the answer back.")
+    r.add_argument("--model", default="", help="Model of proxied requests that name none.")
+    r.add_argument("--router-id", default="", help="Name in the decision log (default: random).")
+    r.add_argument("--auth-token", default="",
+                   help="Require 'Authorization: Bearer <token>' on every path but /healthz (/v1/route, "
+                        "/v1/release, /generate; /metrics with --protect-metrics), else 401; prefer the environment "
+                        "variable or --auth-token-file. Empty: no auth.")
+    r.add_argument("--auth-token-file", default="", metavar="FILE",
+                   help="Read the --auth-token from this file (surrounding whitespace ignored).")
+    r.add_argument("--protect-metrics", action="store_true",
+                   help="With an auth token, /metrics requires it too (/healthz always stays open).")
+    add_common(r)
+    r.set_defaults(run=run)
+
+
+def run(args) -> None:
+    run_until_signal(lambda stop: _run_router(args, stop))
+
+
+def _auth_token(args) -> str:
+    """The router's bearer token, from --auth-token or --auth-token-file (not both)."""
+    token = args.auth_token.strip()
+    if args.auth_token_file:
+        if token:
+            raise SystemExit("kvtier router: give --auth-token or --auth-token-file, not both")
+        try:
+            with open(args.auth_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"kvtier router: --auth-token-file: cannot read {args.auth_token_file!r} "
+                             f"({exc.strerror or exc})") from None
+        if not token:
+            raise SystemExit(f"kvtier router: --auth-token-file {args.auth_token_file!r} is empty")
+    if args.protect_metrics and not token:
+        raise SystemExit("kvtier router: --protect-metrics needs --auth-token or --auth-token-file")
+    return token
+
+
+async def _run_router(args, stop) -> None:
+    from kvtier.router.service import RouterConfig, ServiceSettings, run_router
+
+    if args.shared_cache_type == "hicache" and not args.mooncake_master:
+        raise SystemExit("kvtier router: --shared-cache-type hicache needs --mooncake-master http://HOST:PORT "
+                         "(the master's HTTP port serving /batch_query_keys)")
+    config = RouterConfig(
+        redis_url=args.redis, nats_url=args.nats, host=args.host, http_port=args.http_port,
+        router_mode=args.router_mode, shared_cache_type=args.shared_cache_type, mooncake_master=args.mooncake_master,
+        shared_cache_timeout_s=args.shared_cache_timeout_ms / 1000, page_size=args.page_size,
+        booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=args.router_id,
+        seed=args.seed,
+        weights=scoring_weights_from(args),
+        predicted_pages=args.predicted_pages == "on",
+        service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
+                                proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
+                                protect_metrics=args.protect_metrics),
+    )
+    await run_router(config, stop, ready=lambda port: print(f"kvtier router listening on http://{args.host}:{port}",
+                                                            flush=True))
