@@ -3,7 +3,7 @@ bridge`s on SGLang-format publishers, a `kvtier router` and (when installed) a r
 master. One stack serves the module; each case adds its own model (so findings do not mix) and
 the cases break things in order from least to most destructive, Redis and NATS going last.
 
-The judging logic is pure (kvtier/tools/doctor.py); a few cases check it on hand-made views first."""
+The judging logic is pure (kvtier/tools/doctor/judge.py); a few cases check it on hand-made views first."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.router_health import RouterHealth
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
-from kvtier.tools import doctor as doc
+from kvtier.tools.doctor import judge, views
+from kvtier.tools.doctor import observe as observing
+from kvtier.tools.doctor import report as reporting
 
 from .helpers import (
     bridge_process,
@@ -45,15 +47,15 @@ pytestmark = pytest.mark.timeout(150)
 
 
 # --- the judging logic on hand-made views (no I/O) ---------------------------------------------
-def _worker(**kw) -> doc.WorkerRecord:
+def _worker(**kw) -> views.WorkerRecord:
     base = {"model": "m", "worker": "w0", "lease_left_s": 5.0, "epoch": 10, "seq": 7, "applied_ago_s": 1.0,
             "page_size": 4}
     base.update(kw)
-    return doc.WorkerRecord(**base)
+    return views.WorkerRecord(**base)
 
 
-def _redis(*workers, **kw) -> doc.RedisView:
-    return doc.RedisView(url="redis://x", reachable=True, models=sorted({w.model for w in workers}),
+def _redis(*workers, **kw) -> views.RedisView:
+    return views.RedisView(url="redis://x", reachable=True, models=sorted({w.model for w in workers}),
                          workers=list(workers), **kw)
 
 
@@ -64,39 +66,39 @@ def _one(findings, check, status=None):
 
 
 def test_exit_code_fails_on_fail_and_on_warn_only_when_strict():
-    ok = doc.Finding(check="nats", status=doc.Status.OK, finding="fine")
-    warn = doc.Finding(check="events", status=doc.Status.WARN, finding="quiet")
-    fail = doc.Finding(check="redis", status=doc.Status.FAIL, finding="down")
-    assert doc.exit_code([ok]) == 0 and doc.exit_code([ok], strict=True) == 0
-    assert doc.exit_code([ok, warn]) == 0 and doc.exit_code([ok, warn], strict=True) == 1
-    assert doc.exit_code([ok, warn, fail]) == 1
-    last = json.loads(doc.report_json([ok, warn], strict=True))
+    ok = views.Finding(check="nats", status=views.Status.OK, finding="fine")
+    warn = views.Finding(check="events", status=views.Status.WARN, finding="quiet")
+    fail = views.Finding(check="redis", status=views.Status.FAIL, finding="down")
+    assert judge.exit_code([ok]) == 0 and judge.exit_code([ok], strict=True) == 0
+    assert judge.exit_code([ok, warn]) == 0 and judge.exit_code([ok, warn], strict=True) == 1
+    assert judge.exit_code([ok, warn, fail]) == 1
+    last = json.loads(reporting.report_json([ok, warn], strict=True))
     assert last["exit_code"] == 1 and last["counts"] == {"ok": 1, "warn": 1, "fail": 0}
 
 
 def test_events_in_the_stream_but_not_in_redis_blame_the_processor():
     stale_apply = _worker(applied_ago_s=900.0)
-    nats = doc.NatsView(url="nats://x", reachable=True,
-                        last_messages={"m/w0": doc.LastMessage(kind="announce", age_s=0.4, epoch=10, seq=9)})
-    finding = _one(doc.check_events(_redis(stale_apply), nats, 60), "events", doc.Status.FAIL)
+    nats = views.NatsView(url="nats://x", reachable=True,
+                        last_messages={"m/w0": views.LastMessage(kind="announce", age_s=0.4, epoch=10, seq=9)})
+    finding = _one(judge.check_events(_redis(stale_apply), nats, 60), "events", views.Status.FAIL)
     assert "not applied" in finding.finding and "10:9" in finding.finding and "kvtier processor" in finding.fix
     # the bridge's cursor equals what Redis applied: the engine is quiet, not the processor
-    nats.last_messages["m/w0"] = doc.LastMessage(kind="announce", age_s=0.4, epoch=10, seq=7)
-    finding = _one(doc.check_events(_redis(stale_apply), nats, 60), "events", doc.Status.WARN)
+    nats.last_messages["m/w0"] = views.LastMessage(kind="announce", age_s=0.4, epoch=10, seq=7)
+    finding = _one(judge.check_events(_redis(stale_apply), nats, 60), "events", views.Status.WARN)
     assert "bridge is alive" in finding.finding and "--kv-events-config" in finding.fix
 
 
 def test_router_page_size_from_healthz_is_compared_and_its_absence_said():
     workers = _redis(_worker(worker="a"), _worker(worker="b"))
-    says_8 = doc.RouterView(url="http://r1", reachable=True, http_status=200,
+    says_8 = views.RouterView(url="http://r1", reachable=True, http_status=200,
                             healthz=RouterHealth(status="ok", page_size=8))
-    trusts = doc.RouterView(url="http://r2", reachable=True, http_status=200,
+    trusts = views.RouterView(url="http://r2", reachable=True, http_status=200,
                             healthz=RouterHealth(status="ok", page_size=None))
-    silent = doc.RouterView(url="http://r3", reachable=True, http_status=200, healthz=RouterHealth(status="ok"))
-    finding = _one(doc.check_page_sizes(workers, [says_8]), "page_size", doc.Status.FAIL)
+    silent = views.RouterView(url="http://r3", reachable=True, http_status=200, healthz=RouterHealth(status="ok"))
+    finding = _one(judge.check_page_sizes(workers, [says_8]), "page_size", views.Status.FAIL)
     assert "--page-size 8" in finding.finding and "--page-size 4" in finding.fix
-    assert _one(doc.check_page_sizes(workers, [trusts]), "page_size").status == doc.Status.OK
-    finding = _one(doc.check_page_sizes(workers, [silent]), "page_size", doc.Status.OK)
+    assert _one(judge.check_page_sizes(workers, [trusts]), "page_size").status == views.Status.OK
+    finding = _one(judge.check_page_sizes(workers, [silent]), "page_size", views.Status.OK)
     assert "http://r3 do not report their --page-size" in finding.finding
 
 
@@ -119,7 +121,7 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw
     assert health.hash_scheme.mismatched_workers[0].kinds == {"hash_scheme": 3}
-    assert doc._router_page_size(doc.RouterView(url="r", reachable=True, healthz=health)) == (True, None)
+    assert judge._router_page_size(views.RouterView(url="r", reachable=True, healthz=health)) == (True, None)
     assert decode_router_health(b'{"status": "ok"}').page_size is msgspec.UNSET
 
 
@@ -127,7 +129,7 @@ def test_router_metrics_are_parsed():
     text = ('# HELP router_shared_pool_errors_total x\nrouter_shared_pool_errors_total{reason="timeout"} 3.0\n'
             'router_shared_pool_errors_total{reason="error"} 1.0\nrouter_page_size_mismatch_total 2.0\n'
             'router_page_size_mismatch_created 1.7e9\n')
-    assert doc.parse_router_metrics(text) == ({"timeout": 3.0, "error": 1.0}, 2.0)
+    assert observing.parse_router_metrics(text) == ({"timeout": 3.0, "error": 1.0}, 2.0)
 
 
 def test_gpu_only_worker_is_judged_only_when_hicache_is_expected():
@@ -135,13 +137,13 @@ def test_gpu_only_worker_is_judged_only_when_hicache_is_expected():
 
     meta = WorkerMetadata(worker_id="w0", model="m", page_size=4, mooncake=MooncakeLayout())
     hicache = _worker(tiers_seen=1, meta=meta, hicache=True)
-    assert _one(doc.check_tiers(_redis(hicache)), "tiers").status == doc.Status.FAIL
-    assert _one(doc.check_tiers(_redis(_worker(tiers_seen=1))), "tiers").status == doc.Status.OK
-    assert (_one(doc.check_tiers(_redis(_worker(tiers_seen=3, meta=meta, hicache=True))), "tiers").status
-            == doc.Status.OK)
+    assert _one(judge.check_tiers(_redis(hicache)), "tiers").status == views.Status.FAIL
+    assert _one(judge.check_tiers(_redis(_worker(tiers_seen=1))), "tiers").status == views.Status.OK
+    assert (_one(judge.check_tiers(_redis(_worker(tiers_seen=3, meta=meta, hicache=True))), "tiers").status
+            == views.Status.OK)
     # the same worker beside one that reports host pages: a mixed fleet
-    mixed = doc.check_tiers(_redis(_worker(tiers_seen=1), _worker(worker="w1", tiers_seen=3)))
-    assert _one(mixed, "tiers", doc.Status.WARN).subject == "m/w0"
+    mixed = judge.check_tiers(_redis(_worker(tiers_seen=1), _worker(worker="w1", tiers_seen=3)))
+    assert _one(mixed, "tiers", views.Status.WARN).subject == "m/w0"
 
 
 # --- a real deployment ------------------------------------------------------------------------
@@ -444,7 +446,7 @@ def _bridge_cursor_ahead(stack) -> str:
     """The (epoch:seq) the bridge announced once it is past what Redis applied, else ''."""
     import asyncio
 
-    view = asyncio.run(doc.observe_nats(stack.nats.url, [doc.WorkerRecord(model=MODEL_OK, worker="w0")], 2))
+    view = asyncio.run(observing.observe_nats(stack.nats.url, [views.WorkerRecord(model=MODEL_OK, worker="w0")], 2))
     last = view.last_messages.get(f"{MODEL_OK}/w0")
     state = stack.state(MODEL_OK, "w0")
     if last is None or (last.epoch, last.seq) <= (int(state["epoch"]), int(state["seq"])):

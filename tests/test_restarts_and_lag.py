@@ -593,7 +593,8 @@ def test_a_duplicate_that_was_not_a_retry_is_an_error(nats_server):
 
 
 def test_doctor_names_a_partial_worker_and_what_it_costs():
-    from kvtier.tools.doctor import RedisView, Status, WorkerRecord, check_workers
+    from kvtier.tools.doctor.judge import check_workers
+    from kvtier.tools.doctor.views import RedisView, Status, WorkerRecord
 
     view = RedisView(url="redis://x", reachable=True, models=[MODEL], workers=[
         WorkerRecord(model=MODEL, worker="w0", lease_left_s=5.0, partial=True),

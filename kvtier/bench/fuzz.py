@@ -856,7 +856,8 @@ def check_generate_reply(data: bytes) -> bool:
 
 
 def check_router_health(data: bytes) -> bool:
-    from kvtier.tools.doctor import RedisView, RouterView, check_page_sizes, check_routers
+    from kvtier.tools.doctor.judge import check_page_sizes, check_routers
+    from kvtier.tools.doctor.views import RedisView, RouterView
 
     try:
         health = decode_router_health(data)

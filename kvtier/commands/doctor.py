@@ -1,4 +1,4 @@
-"""`kvtier doctor` (kvtier/tools/doctor.py)."""
+"""`kvtier doctor` (kvtier/tools/doctor/)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtier.tools.doctor import run_doctor
+    from kvtier.tools.doctor.report import run_doctor
 
     return run_doctor(args)

@@ -1,184 +1,31 @@
-"""`kvtier doctor`: check a running deployment and say in plain words what is wrong and how to
-fix it (the troubleshooting table of the Dynamo tier-aware routing guide, made executable).
-
-Three layers:
-- observe (I/O at the edge): `observe()` reads NATS, Redis, each router's /healthz and /metrics
-  and the Mooncake master into plain views (`NatsView`, `RedisView` with a `WorkerRecord` per
-  worker, `RouterView`, `MooncakeView`), each probe bounded by a timeout; a probe that fails is
-  recorded, not raised.
-- judge (pure): one small function per check turns views into `Finding`s (status ok / warn /
-  fail, a one-line finding, a fix). `diagnose()` runs them all; nothing there does I/O.
-- report: a compact table, then the problems with their fixes; `--json` adds one JSON object
-  as the last line. Exit 0 when nothing failed (a warning fails only with --strict), else 1.
-"""
+"""The checks of `kvtier doctor`: pure functions from the views (`views.py`) to `Finding`s, one per
+check; `diagnose()` runs them all and `exit_code()` turns them into the exit status. Nothing here does I/O."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import enum
-import json
-import re
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable
 
 import msgspec
 
-from kvtier.plumbing.connections import redact, redis_client
-from kvtier.schemas.health import HashCheck, HashMismatchKind, decode_hash_check
-from kvtier.schemas.mooncake import decode_batch_query_reply
-from kvtier.schemas.router_health import RouterHealth, decode_router_health
+from kvtier.schemas.health import HashMismatchKind
 from kvtier.schemas.subjects import (
     DECISIONS_STREAM,
     DLQ_STREAM,
-    EVENTS_PREFIX,
     EVENTS_STREAM,
-    subject_token,
 )
-from kvtier.schemas.tiers import Tier
-from kvtier.schemas.worker import WorkerMetadata
 
-HOST_BIT = Tier.HOST.bit
-DEVICE_BIT = Tier.DEVICE.bit
-#: Dead letters whose reasons are quoted in the finding.
-LATEST_DEAD_LETTERS = 3
-#: A Mooncake probe key: never an SGLang page key, so the query answers OBJECT_NOT_FOUND.
-MOONCAKE_PROBE_KEY = "kvtier-doctor-probe"
-
-
-class Status(str, enum.Enum):
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
-
-
-class Finding(msgspec.Struct, frozen=True, kw_only=True):
-    """One judged fact. `check` is a stable id (nats, streams, redis, workers, events, tiers,
-    page_size, mooncake, router, hash_scheme, dead_letters); `subject` what it is about
-    (a URL, a stream, model/worker)."""
-
-    check: str
-    status: Status
-    subject: str = ""
-    finding: str
-    fix: str = ""
-
-
-# --- views: what the I/O edge observed ------------------------------------------------------
-class StreamView(msgspec.Struct, kw_only=True):
-    name: str
-    exists: bool
-    messages: int = 0
-    partitions: int | None = None
-
-
-class LastMessage(msgspec.Struct, kw_only=True):
-    """The newest message on a worker's events subject."""
-
-    kind: str  # "batch" | "announce" | "unreadable"
-    age_s: float
-    #: The batch's (epoch, seq), or the announcing bridge's cursor (last batch it published).
-    epoch: int = 0
-    seq: int = 0
-
-
-class DeadLetter(msgspec.Struct, kw_only=True):
-    subject: str
-    stage: str = ""
-    reason: str = ""
-    age_s: float | None = None
-
-
-class NatsView(msgspec.Struct, kw_only=True):
-    url: str
-    reachable: bool
-    error: str = ""
-    jetstream: bool = True
-    streams: dict[str, StreamView] = {}
-    latest_dead_letters: list[DeadLetter] = []
-    #: "model token/worker" -> newest message on that worker's subject (absent: none stored).
-    last_messages: dict[str, LastMessage] = {}
-
-
-class WorkerRecord(msgspec.Struct, kw_only=True):
-    """One worker's record in Redis (state, lease, metadata, hash check), as observed; part of
-    `RedisView`."""
-
-    model: str  # the model token (as in Redis keys)
-    worker: str
-    lease_left_s: float | None = None
-    epoch: int = 0
-    seq: int = 0
-    stale: bool = False
-    stale_reason: str = ""
-    #: Its epoch began after the engine's first batch: routed to, missing what the engine held.
-    partial: bool = False
-    gaps: int = 0
-    applied_ago_s: float | None = None
-    pages: dict[str, int] = {}
-    #: OR of every tier bit the worker ever stored on; None when the processor does not record it.
-    tiers_seen: int | None = None
-    page_size: int | None = None
-    meta: WorkerMetadata | None = None
-    #: The metadata says HiCache is on (a Mooncake layout, or an explicit hicache flag).
-    hicache: bool = False
-    hash_check: HashCheck | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.model}/{self.worker}"
-
-    @property
-    def live(self) -> bool:
-        return self.lease_left_s is not None and self.lease_left_s > 0
-
-    @property
-    def tier_bits(self) -> int:
-        bits = self.tiers_seen or 0
-        for tier in Tier:
-            if self.pages.get(tier.value, 0) > 0:
-                bits |= tier.bit
-        return bits
-
-
-class RedisView(msgspec.Struct, kw_only=True):
-    url: str
-    reachable: bool
-    error: str = ""
-    #: Model tokens in Redis (`kvt:models`).
-    models: list[str] = []
-    #: The model asked for with --model (its token), if any.
-    requested_model: str | None = None
-    workers: list[WorkerRecord] = []
-
-
-class RouterView(msgspec.Struct, kw_only=True):
-    url: str
-    reachable: bool
-    error: str = ""
-    http_status: int = 0
-    healthz: RouterHealth = RouterHealth()
-    #: router_shared_pool_errors_total by reason (None: /metrics unreadable).
-    shared_pool_errors: dict[str, float] | None = None
-    page_size_mismatches: float | None = None
-
-
-class MooncakeView(msgspec.Struct, kw_only=True):
-    url: str
-    reachable: bool
-    error: str = ""
-    detail: str = ""
-
-
-class Observation(msgspec.Struct, kw_only=True):
-    nats: NatsView
-    redis: RedisView
-    routers: list[RouterView] = []
-    mooncake: MooncakeView | None = None
-    events_window_s: float = 300.0
+from .views import (
+    DEVICE_BIT,
+    Finding,
+    LastMessage,
+    MooncakeView,
+    NatsView,
+    Observation,
+    RedisView,
+    RouterView,
+    Status,
+    WorkerRecord,
+)
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -197,7 +44,7 @@ def _n(count: int, noun: str, plural: str = "") -> str:
     return f"{count} {noun if count == 1 else (plural or noun + 's')}"
 
 
-def _short(text: str, limit: int = 160) -> str:
+def shorten(text: str, limit: int = 160) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -341,7 +188,7 @@ def check_workers(redis_view: RedisView) -> list[Finding]:
     return out
 
 
-def _ahead(last: LastMessage, w: WorkerRecord) -> bool:
+def message_ahead_of(last: LastMessage, w: WorkerRecord) -> bool:
     """The stream holds a batch of this worker that Redis has not applied."""
     return last.seq >= 1 and (last.epoch, last.seq) > (w.epoch, w.seq)
 
@@ -359,7 +206,7 @@ def check_events(redis_view: RedisView, nats: NatsView, window_s: float) -> list
                 continue
             last = nats.last_messages.get(w.key) if nats.reachable else None
             applied = f"last applied {_ago(w.applied_ago_s)}" if w.applied_ago_s is not None else "none applied yet"
-            if last is not None and _ahead(last, w):
+            if last is not None and message_ahead_of(last, w):
                 out.append(Finding(
                     check="events", status=Status.FAIL, subject=w.key,
                     finding=f"events reach NATS but are not applied: the stream holds {last.epoch}:{last.seq}, "
@@ -570,7 +417,7 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
         if not state.ok:
             problems += 1
             out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
-                               finding=f"router cannot reach Redis ({_short(state.error, 120)}): it "
+                               finding=f"router cannot reach Redis ({shorten(state.error, 120)}): it "
                                        "routes by load/round robin only",
                                fix="check the router's --redis URL and the network path to Redis"))
         if shared.last_error:
@@ -579,7 +426,7 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
             timeout = "no answer within" in message
             out.append(Finding(
                 check="router", status=Status.WARN if timeout else Status.FAIL, subject=r.url,
-                finding=f"shared-pool queries fail ({_short(message, 120)}): it scores without the shared pool"
+                finding=f"shared-pool queries fail ({shorten(message, 120)}): it scores without the shared pool"
                         + error_note,
                 fix=("the master is slow: raise --shared-cache-timeout-ms or check the master's load" if timeout else
                      "check that the router's --mooncake-master (the master's HTTP metrics port) is reachable from "
@@ -661,7 +508,7 @@ def check_dead_letters(nats: NatsView) -> list[Finding]:
     latest = nats.latest_dead_letters[0] if nats.latest_dead_letters else None
     reasons = "; ".join(
         f"[{d.stage or '?'} {d.subject.split('.', 3)[-1] if d.subject.count('.') >= 3 else d.subject}] "
-        f"{_short(d.reason or 'no reason header', 140)}" for d in nats.latest_dead_letters)
+        f"{shorten(d.reason or 'no reason header', 140)}" for d in nats.latest_dead_letters)
     when = f", latest {_ago(latest.age_s)}" if latest is not None and latest.age_s is not None else ""
     return [Finding(
         check="dead_letters", status=Status.WARN, subject=DLQ_STREAM,
@@ -691,357 +538,3 @@ def exit_code(findings: Iterable[Finding], strict: bool = False) -> int:
     if Status.FAIL in statuses or (strict and Status.WARN in statuses):
         return 1
     return 0
-
-
-# --- report ------------------------------------------------------------------------------------
-def counts(findings: list[Finding]) -> dict[str, int]:
-    return {s.value: sum(1 for f in findings if f.status == s) for s in Status}
-
-
-def render(findings: list[Finding], strict: bool = False, width: int = 120) -> str:
-    subject_w = min(max((len(f.subject) for f in findings), default=7), 34)
-    lines = [f"{'STATUS':<6} {'CHECK':<12} {'SUBJECT':<{subject_w}} FINDING"]
-    room = max(30, width - 6 - 12 - subject_w - 3)
-    for f in findings:
-        label = f.status.value if f.status == Status.OK else f.status.value.upper()
-        subject = f.subject if len(f.subject) <= subject_w else f.subject[: subject_w - 1] + "…"
-        lines.append(f"{label:<6} {f.check:<12} {subject:<{subject_w}} {_short(f.finding, room)}")
-    problems = [f for f in findings if f.status != Status.OK]
-    problems.sort(key=lambda f: f.status != Status.FAIL)
-    if problems:
-        lines.append("")
-        lines.append(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:")
-        for f in problems:
-            lines.append(f"- {f.status.value.upper()} {f.check} {f.subject}: {f.finding}")
-            if f.fix:
-                lines.append(f"  fix: {f.fix}")
-    c = counts(findings)
-    code = exit_code(findings, strict)
-    verdict = "FAIL" if c["fail"] else ("WARN" if c["warn"] else "OK")
-    lines.append("")
-    lines.append(f"kvtier doctor: {verdict} ({c['fail']} failed, {c['warn']} "
-                 f"warning{'' if c['warn'] == 1 else 's'}, {c['ok']} ok; exit {code})")
-    return "\n".join(lines)
-
-
-def report_json(findings: list[Finding], strict: bool = False) -> str:
-    code = exit_code(findings, strict)
-    return json.dumps({
-        "ok": code == 0, "exit_code": code, "strict": strict, "counts": counts(findings),
-        "findings": msgspec.to_builtins(findings),
-    })
-
-
-# --- observe: the I/O edge ---------------------------------------------------------------------
-def _err(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
-        exc = exc.reason if isinstance(exc.reason, BaseException) else exc
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower() if isinstance(exc, ConnectionError) else exc.strerror
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return "timed out"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _hicache_on(meta: WorkerMetadata) -> bool:
-    """Whether a worker's metadata says HiCache is on: announced by its bridge (--hicache, or
-    read from SGLang with --sglang-url), or implied by a Mooncake layout (an L3 backend needs
-    the host tier)."""
-    return bool(meta.hicache_enabled) or meta.mooncake is not None
-
-
-def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
-    import redis
-
-    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
-    from kvtier.tools.inspect import collect
-
-    client = redis_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    token = ModelKeys.for_model(model).model_token if model else None
-    try:
-        client.ping()
-        models = sorted(as_text(t) for t in client.smembers(MODELS_KEY))
-        rows = collect(client, model) if (token is None or token in models) else []
-        workers = []
-        by_model: dict[str, list[dict]] = {}
-        for row in rows:
-            by_model.setdefault(row["model"], []).append(row)
-        for model_token, model_rows in by_model.items():
-            keys = ModelKeys(model_token)
-            pipe = client.pipeline(transaction=False)
-            pipe.hgetall(keys.page_sizes)
-            pipe.hgetall(keys.hash_check)
-            for row in model_rows:
-                pipe.hget(keys.state(row["worker"]), "tiers_seen")
-                pipe.get(keys.meta(row["worker"]))
-            replies = pipe.execute()
-            page_sizes = {as_text(k): as_text(v) for k, v in replies[0].items()}
-            hash_checks = {as_text(k): v for k, v in replies[1].items()}
-            for i, row in enumerate(model_rows):
-                tiers_seen, raw_meta = replies[2 + 2 * i], replies[3 + 2 * i]
-                workers.append(_worker_record(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
-                                            hash_checks.get(row["worker"])))
-        return RedisView(url=redact(url), reachable=True, models=models, requested_model=token, workers=workers)
-    except redis.RedisError as exc:
-        return RedisView(url=redact(url), reachable=False, error=str(exc).strip() or _err(exc), requested_model=token)
-    finally:
-        client.close()
-
-
-def _worker_record(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> WorkerRecord:
-    meta, hicache, size = None, False, None
-    if raw_meta:
-        try:
-            meta = msgspec.json.decode(raw_meta, type=WorkerMetadata)
-            hicache = _hicache_on(meta)
-            size = meta.page_size
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
-    if page_size:
-        try:
-            size = int(page_size)
-        except ValueError:
-            pass
-    check = None
-    if raw_check:
-        try:
-            check = decode_hash_check(raw_check)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
-    return WorkerRecord(
-        model=row["model"], worker=row["worker"], lease_left_s=row["lease_left_s"], epoch=row["epoch"],
-        seq=row["seq"], stale=row["stale"], stale_reason=row["stale_reason"], partial=row["partial"],
-        gaps=row["gaps"],
-        applied_ago_s=row["applied_ago_s"], pages=row["pages"],
-        tiers_seen=int(tiers_seen) if tiers_seen is not None else None,
-        page_size=size, meta=meta, hicache=hicache, hash_check=check)
-
-
-async def observe_nats(url: str, workers: list[WorkerRecord], timeout: float) -> NatsView:
-    import ssl
-
-    import nats
-    import nats.js.errors
-
-    from kvtier.plumbing.nats_options import NatsOptionsError, configured, explain, redact_nats
-    from kvtier.plumbing.streams import partitions_of
-    from kvtier.schemas.events import EventBatch, WorkerAnnounce, WorkerExpired, decode_message
-
-    seen: list[BaseException] = []
-
-    async def quiet(exc: Exception) -> None:
-        seen.append(exc)
-        del seen[:-8]  # the recent ones (the callback outlives the connect)
-
-    shown = redact_nats(url)
-    try:
-        nc = await asyncio.wait_for(
-            configured().connect(url, connect_timeout=timeout, allow_reconnect=False, max_reconnect_attempts=1,
-                                 reconnect_time_wait=0.1, error_cb=quiet, name="kvtier-doctor"), timeout + 1)
-    except NatsOptionsError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure to connect is the finding
-        if any(not isinstance(e, OSError) or isinstance(e, ssl.SSLError) for e in seen):
-            error = explain(exc, seen)  # refused credentials, an untrusted certificate
-        elif type(exc).__name__ == "NoServersError":
-            error = "no server answers there (refused, or not a NATS port)"
-        else:
-            error = _err(exc)
-        return NatsView(url=shown, reachable=False, error=error)
-    view = NatsView(url=shown, reachable=True)
-    try:
-        js = nc.jetstream(timeout=timeout)
-        try:
-            await js.account_info()
-        except Exception as exc:  # noqa: BLE001 - JetStream off or not answering
-            view.jetstream, view.error = False, _err(exc)
-            return view
-        now = time.time()
-        for name in (EVENTS_STREAM, DLQ_STREAM, DECISIONS_STREAM):
-            try:
-                info = await js.stream_info(name)
-            except nats.js.errors.NotFoundError:
-                view.streams[name] = StreamView(name=name, exists=False)
-                continue
-            partitions = None
-            if name == EVENTS_STREAM:
-                try:
-                    partitions = partitions_of(info.config)
-                except Exception:  # noqa: BLE001 - reported as unknown
-                    partitions = None
-            view.streams[name] = StreamView(name=name, exists=True, messages=info.state.messages,
-                                            partitions=partitions)
-            if name == DLQ_STREAM and info.state.messages:
-                seq = info.state.last_seq
-                while seq >= info.state.first_seq and len(view.latest_dead_letters) < LATEST_DEAD_LETTERS:
-                    try:
-                        msg = await js.get_msg(DLQ_STREAM, seq)
-                    except nats.js.errors.NotFoundError:  # deleted in between
-                        seq -= 1
-                        continue
-                    headers = msg.headers or {}
-                    view.latest_dead_letters.append(DeadLetter(
-                        subject=msg.subject or "", stage=headers.get("Kvtier-Stage", ""),
-                        reason=headers.get("Kvtier-Reason", ""),
-                        age_s=now - msg.time.timestamp() if msg.time else None))
-                    seq -= 1
-        if view.streams.get(EVENTS_STREAM, StreamView(name="", exists=False)).exists:
-            for w in workers:
-                subject = f"{EVENTS_PREFIX}.{w.model}.{subject_token(w.worker)}.*"
-                try:
-                    msg = await js.get_last_msg(EVENTS_STREAM, subject)
-                except nats.js.errors.NotFoundError:
-                    continue
-                age = now - msg.time.timestamp() if msg.time else 0.0
-                try:
-                    message = decode_message(msg.data)
-                except Exception:  # noqa: BLE001 - an undecodable message is dead-lettered by the processor
-                    view.last_messages[w.key] = LastMessage(kind="unreadable", age_s=age)
-                    continue
-                if isinstance(message, EventBatch):
-                    last = LastMessage(kind="batch", age_s=age, epoch=message.epoch, seq=message.seq)
-                elif isinstance(message, WorkerAnnounce):
-                    last = LastMessage(kind="announce", age_s=age, epoch=message.cursor.epoch, seq=message.cursor.seq)
-                elif isinstance(message, WorkerExpired):
-                    last = LastMessage(kind="expired", age_s=age, epoch=message.epoch, seq=message.seq)
-                else:
-                    last = LastMessage(kind="unreadable", age_s=age)
-                view.last_messages[w.key] = last
-    except Exception as exc:  # noqa: BLE001 - NATS went away mid-check
-        view.reachable, view.error = False, _err(exc)
-    finally:
-        with contextlib.suppress(Exception):  # closing is best effort
-            await asyncio.wait_for(nc.close(), timeout)
-    return view
-
-
-def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers={"User-Agent": "kvtier-doctor"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read(1 << 22)
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read(4096)
-
-
-_SAMPLE = re.compile(r'^(router_shared_pool_errors_total|router_page_size_mismatch_total)(\{[^}]*\})?\s+(\S+)')
-
-
-def parse_router_metrics(text: str) -> tuple[dict[str, float], float]:
-    """(router_shared_pool_errors_total by reason, router_page_size_mismatch_total)."""
-    errors: dict[str, float] = {}
-    mismatches = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        if name == "router_page_size_mismatch_total":
-            mismatches += number
-        else:
-            reason = re.search(r'reason="([^"]*)"', labels or "")
-            key = reason.group(1) if reason else ""
-            errors[key] = errors.get(key, 0.0) + number
-    return errors, mismatches
-
-
-def observe_router(url: str, timeout: float) -> RouterView:
-    base = url.rstrip("/")
-    try:
-        status, body = _http_get(base + "/healthz", timeout)
-    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL: all the same finding
-        return RouterView(url=url, reachable=False, error=_err(exc))
-    view = RouterView(url=url, reachable=True, http_status=status)
-    try:
-        view.healthz = decode_router_health(body)
-    except msgspec.DecodeError as exc:  # ValidationError included: JSON, but not a router's health
-        view.error = (f"not a kvtier router's /healthz body ({exc}): "
-                      + (_short(body.decode(errors="replace"), 100) or "empty body"))
-    with contextlib.suppress(Exception):  # metrics are extra detail
-        metrics_status, metrics = _http_get(base + "/metrics", timeout)
-        if metrics_status == 200:
-            view.shared_pool_errors, view.page_size_mismatches = parse_router_metrics(metrics.decode(errors="replace"))
-    return view
-
-
-def observe_mooncake(url: str, timeout: float) -> MooncakeView:
-    parsed = urllib.parse.urlsplit(url)
-    probe = url if parsed.path not in ("", "/") else f"{url.rstrip('/')}/batch_query_keys?keys={MOONCAKE_PROBE_KEY}"
-    try:
-        status, body = _http_get(probe, timeout)
-    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL
-        return MooncakeView(url=url, reachable=False, error=_err(exc))
-    if status != 200:
-        return MooncakeView(url=url, reachable=False,
-                            error=f"GET {probe} answered HTTP {status}: is this the master's metrics port?")
-    if "/batch_query_keys" in probe:
-        try:
-            reply = decode_batch_query_reply(body)
-        except msgspec.ValidationError:  # JSON, but not shaped like a query reply
-            reply = None
-        except msgspec.DecodeError:
-            return MooncakeView(url=url, reachable=False,
-                                error=f"GET {probe} did not answer JSON: is this the master's metrics port?")
-        if reply is None or reply.success is msgspec.UNSET:
-            return MooncakeView(url=url, reachable=False, error=f"GET {probe} answered an unexpected body")
-        return MooncakeView(url=url, reachable=True, detail="/batch_query_keys answers")
-    return MooncakeView(url=url, reachable=True, detail=f"GET {parsed.path} answers HTTP 200")
-
-
-async def observe(nats_url: str, redis_url: str, routers: list[str], mooncake_master: str = "",
-                  model: str | None = None, events_window_s: float = 300.0, timeout: float = 3.0) -> Observation:
-    side = [asyncio.to_thread(observe_router, url, timeout) for url in routers]
-    if mooncake_master:
-        side.append(asyncio.to_thread(observe_mooncake, mooncake_master, timeout))
-    side_task = asyncio.gather(*side)
-    redis_view = await asyncio.to_thread(observe_redis, redis_url, model, timeout)
-    nats_view = await observe_nats(nats_url, redis_view.workers, timeout)
-    if redis_view.reachable:
-        await asyncio.to_thread(_confirm_behind, redis_view, nats_view, redis_url, timeout)
-    results = await side_task
-    router_views = list(results[: len(routers)])
-    mooncake_view = results[len(routers)] if mooncake_master else None
-    return Observation(nats=nats_view, redis=redis_view, routers=router_views, mooncake=mooncake_view,
-                       events_window_s=events_window_s)
-
-
-def _confirm_behind(redis_view: RedisView, nats_view: NatsView, redis_url: str, timeout: float) -> None:
-    """Redis was read before NATS: a worker whose stream cursor looks ahead may simply have
-    published in between. Re-read those workers' (epoch, seq, applied_ms) once."""
-    import redis
-
-    from kvtier.schemas.state_keys import ModelKeys, as_text
-
-    suspects = [w for w in redis_view.workers
-                if w.key in nats_view.last_messages and _ahead(nats_view.last_messages[w.key], w)]
-    if not suspects:
-        return
-    client = redis_client(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    try:
-        for w in suspects:
-            epoch, seq, applied = client.hmget(ModelKeys(w.model).state(w.worker), "epoch", "seq", "applied_ms")
-            w.epoch, w.seq = int(as_text(epoch or b"0")), int(as_text(seq or b"0"))
-            if applied:
-                w.applied_ago_s = max(0.0, time.time() - float(as_text(applied)) / 1000)
-    except redis.RedisError:
-        pass
-    finally:
-        client.close()
-
-
-def run_doctor(args) -> int:
-    import logging
-
-    logging.getLogger("nats").setLevel(logging.CRITICAL)  # connection errors are findings here
-    obs = asyncio.run(observe(args.nats, args.redis, list(args.router or []), args.mooncake_master or "",
-                              args.model or None, args.events_window, args.timeout))
-    findings = diagnose(obs)
-    print(render(findings, args.strict), flush=True)
-    if args.json:
-        print(report_json(findings, args.strict), flush=True)
-    return exit_code(findings, args.strict)
