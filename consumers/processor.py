@@ -63,6 +63,7 @@ from kvtier.schemas.subjects import (
     control_subject,
     dlq_subject,
     events_subject,
+    parse_events_subject,
     partition_filter,
     subject_token,
 )
@@ -524,8 +525,9 @@ class Processor:
             GAPS.labels("waiting").inc()
             if now - first >= self.cfg.lost_delivery_s and key not in self._rewound_for:
                 self._rewound_for.add(key)  # once per gap: a real one waits out the gap timeout
-                with contextlib.suppress(ValueError, IndexError):
-                    self._rewind_partitions.add(int(msg.subject.rsplit(".", 1)[1]))
+                subject = parse_events_subject(msg.subject)
+                if subject is not None and subject.partition is not None:
+                    self._rewind_partitions.add(subject.partition)
             await msg.nak(delay=0.2)
             return True
         self._ahead_since.pop(key, None)
@@ -533,15 +535,14 @@ class Processor:
         return False
 
     async def _decode_or_dead_letter(self, msg):
-        subject_tokens = msg.subject.split(".")
         try:
             message = decode_message(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion) as exc:
             await self._dead_letter(msg, f"undecodable message: {exc}", type(exc).__name__)
             return None
         meta = message.metadata if isinstance(message, WorkerAnnounce) else message
-        if len(subject_tokens) >= 4 and (subject_tokens[2], subject_tokens[3]) != (
-                subject_token(meta.model), subject_token(meta.worker_id)):
+        subject = parse_events_subject(msg.subject)
+        if subject is None or not subject.names(meta.model, meta.worker_id):
             await self._dead_letter(msg, f"message for {meta.model}/{meta.worker_id} arrived on subject "
                                          f"{msg.subject}: refusing to apply it to another worker", "subject_mismatch")
             return None
@@ -549,8 +550,8 @@ class Processor:
 
     async def _dead_letter(self, msg, reason: str, kind: str) -> None:
         DEAD_LETTERS.labels(kind).inc()
-        tokens = msg.subject.split(".")
-        model, worker = (tokens[2], tokens[3]) if len(tokens) >= 4 else ("unknown", "unknown")
+        subject = parse_events_subject(msg.subject)
+        model, worker = (subject.model_token, subject.worker_token) if subject else ("unknown", "unknown")
         log.warning("dead-lettering message from %s: %s", msg.subject, reason)
         headers = dead_letter_headers(Kvtier_Reason=reason[:1024], Kvtier_Stage="processor",
                                       Kvtier_Source_Subject=msg.subject)
@@ -742,7 +743,8 @@ class Processor:
         rather than after its first batches have been pulled only to be refused."""
         try:
             info = await self.js.stream_info(EVENTS_STREAM, subjects_filter=f"{EVENTS_PREFIX}.>")
-            tokens = sorted({s.split(".")[2] for s in (info.state.subjects or {}) if len(s.split(".")) == 5})
+            stored = (parse_events_subject(s) for s in (info.state.subjects or {}))
+            tokens = sorted({s.model_token for s in stored if s is not None and s.partition is not None})
             self._models_seen.update(tokens)
             for token in tokens:
                 if not await self.redis_async.exists(ModelKeys(token).incarnation):
@@ -814,8 +816,8 @@ class Processor:
         now = time.time()
         plans: list[RebuildPlan] = []
         for subject in sorted(info.state.subjects or {}):
-            tokens = subject.split(".")
-            if len(tokens) != 5 or not tokens[4].isdigit():
+            parsed = parse_events_subject(subject)
+            if parsed is None or parsed.partition is None:
                 continue
             try:
                 last = await self.js.get_last_msg(EVENTS_STREAM, subject)
@@ -830,7 +832,7 @@ class Processor:
             # nats-py types a stored message's seq and data as Optional: get_last_msg and get_msg fill them.
             start, before = await self._epoch_start(subject, epoch, first, last.seq)  # type: ignore[arg-type]
             plans.append(RebuildPlan(worker_id, epoch, seq, start, before if before is not None else seq,
-                                     int(tokens[4]), live))
+                                     parsed.partition, live))
         return plans
 
     async def _epoch_start(self, subject: str, epoch: int, lo: int, hi: int) -> tuple[int, int | None]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import msgspec
+
 EVENTS_STREAM = "KVTIER_EVENTS"
 DLQ_STREAM = "KVTIER_DLQ"
 EVENTS_PREFIX = "kvtier.events"
@@ -60,3 +62,27 @@ def dlq_subject(stage: str, model: str = "unknown", worker_id: str = "unknown") 
 
 def decisions_subject(model: str) -> str:
     return f"{DECISIONS_PREFIX}.{subject_token(model)}"
+
+
+class EventsSubject(msgspec.Struct, frozen=True):
+    """An events subject read back from the stream: `kvtier.events.<model>.<worker>.<partition>`
+    (the partition token appended by the stream's transform; None on a subject as published)."""
+
+    model_token: str
+    worker_token: str
+    partition: int | None
+
+    def names(self, model: str, worker_id: str) -> bool:
+        """Whether this is the subject of that model's worker (the processor applies a message
+        only to the worker its subject names)."""
+        return (self.model_token, self.worker_token) == (subject_token(model), subject_token(worker_id))
+
+
+def parse_events_subject(subject: str) -> EventsSubject | None:
+    """The tokens of an events subject, published or stored; None for any other subject."""
+    tokens = subject.split(".")
+    if len(tokens) not in (4, 5) or f"{tokens[0]}.{tokens[1]}" != EVENTS_PREFIX or not tokens[2] or not tokens[3]:
+        return None
+    if len(tokens) == 4:
+        return EventsSubject(tokens[2], tokens[3], None)
+    return EventsSubject(tokens[2], tokens[3], int(tokens[4])) if tokens[4].isdigit() else None

@@ -145,3 +145,15 @@ def test_subjects_are_safe():
     assert events_subject("a.b", "w*1") == "kvtier.events.a_b.w_1"
     with pytest.raises(ValueError):
         subject_token("")
+
+
+def test_events_subjects_parse_into_their_tokens():
+    from kvtier.schemas.subjects import EventsSubject, parse_events_subject
+
+    stored = parse_events_subject(f"{events_subject('org/model-1', 'w.0')}.5")
+    assert stored == EventsSubject("org_model-1", "w_0", 5)
+    assert stored.names("org/model-1", "w.0") and not stored.names("org/model-1", "w1")
+    assert parse_events_subject(events_subject("m", "w")) == EventsSubject("m", "w", None)
+    for other in ("kvtier.control.m.w", "kvtier.events.m", "kvtier.events.m.w.x", "kvtier.events.m.w.1.2",
+                  "kvtier.events..w.1", "x.events.m.w.1"):
+        assert parse_events_subject(other) is None, other

@@ -43,7 +43,7 @@ from kvtier.plumbing.connections import redact, redis_client
 from kvtier.plumbing.timefmt import iso, parse_time  # re-exported for explain and events tail
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, split_member
-from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, subject_token
+from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, parse_events_subject, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
 
 #: Prefix of generated scratch namespaces.
@@ -107,9 +107,9 @@ def events_filter(model: str | None = None, worker: str | None = None) -> str:
 
 def subject_matches(subject: str, message) -> bool:
     """The processor's check: a message is applied only to the worker its subject names."""
-    tokens = subject.split(".")
     meta = message.metadata if isinstance(message, WorkerAnnounce) else message
-    return len(tokens) < 4 or (tokens[2], tokens[3]) == (subject_token(meta.model), subject_token(meta.worker_id))
+    parsed = parse_events_subject(subject)
+    return parsed is not None and parsed.names(meta.model, meta.worker_id)
 
 
 # --- the scratch namespace -----------------------------------------------------------------
