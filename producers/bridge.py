@@ -29,7 +29,7 @@ from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_he
 from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp, split_to_fit
 from kvtier.producers.sglang_source import (
     RawBatch,
-    ReplayClient,
+    ReplaySocketClient,
     ReplaySocketError,
     SglangSubscriber,
     SourceSequencer,
@@ -134,8 +134,8 @@ class RankBridge:
         self.subject = events_subject(config.model, config.worker_id)
         self.metadata = config.metadata()
         self.sequencer = SourceSequencer()
-        self.replay = (ReplayClient(zctx, config.replay_endpoint, config.replay_timeout_s) if config.replay_endpoint
-                       else None)
+        self.replay = (ReplaySocketClient(zctx, config.replay_endpoint, config.replay_timeout_s)
+                       if config.replay_endpoint else None)
         self.epoch = 0
         self.seq = 0
         self.pending_reason: EpochReason | None = None

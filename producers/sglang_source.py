@@ -52,7 +52,7 @@ class ReplaySocketError(RuntimeError):
     """SGLang's replay socket gave no complete answer in time, or an answer kvtier cannot read."""
 
 
-class ReplayClient:
+class ReplaySocketClient:
     """Asks SGLang's replay socket for every buffered batch with seq >= start.
 
     Request `[b"", start_seq]` from a DEALER; replies `[b"", topic, seq, payload]`
@@ -140,5 +140,5 @@ class SourceSequencer:
         return seq in self._recent and self._recent[seq] == ts
 
 
-__all__ = ["RawBatch", "SglangSubscriber", "ReplayClient", "ReplaySocketError", "SourceSequencer",
+__all__ = ["RawBatch", "SglangSubscriber", "ReplaySocketClient", "ReplaySocketError", "SourceSequencer",
            "parse_pub_frames", "SEQ_BYTES"]

@@ -164,7 +164,7 @@ def test_the_graph_is_the_real_one():
     """The check above is not vacuous: the mapping finds the modules and their imports."""
     modules = module_files()
     assert modules["kvtier.schemas.events"] == ROOT / "schemas" / "events.py"
-    assert modules["kvtier.bench.replay"] == ROOT / "kvtier" / "bench" / "replay.py"
+    assert modules["kvtier.bench.trace_replay"] == ROOT / "kvtier" / "bench" / "trace_replay.py"
     assert modules["kvtier.router"] == ROOT / "router" / "__init__.py"
     graph = import_graph()
     assert len(graph) > 70 and sum(map(len, graph.values())) > 200

@@ -23,7 +23,6 @@ from kvtier.bench.policies import (
     RoundRobinPolicy,
     RouterModel,
 )
-from kvtier.bench.replay import ReplaySettings, add_gap_closed, build_report, verdict
 from kvtier.bench.synth_trace import SynthParams, generate
 from kvtier.bench.trace import (
     SAMPLE_TRACE,
@@ -32,6 +31,7 @@ from kvtier.bench.trace import (
     load_trace,
     prepare,
 )
+from kvtier.bench.trace_replay import ReplaySettings, add_gap_closed, build_report, verdict
 from kvtier.producers.cost_model import CostModel
 from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
 from kvtier.producers.sim_cluster import ClusterShape

@@ -368,13 +368,13 @@ def test_sglang_publisher_restart_starts_a_new_epoch(kv, nats_server, redis_serv
 
 
 def test_sglang_replay_reply_layout_is_what_the_bridge_parses(kv):
-    """The replay conversation itself, against SGLang's ROUTER socket: kvtier's ReplayClient
+    """The replay conversation itself, against SGLang's ROUTER socket: kvtier's ReplaySocketClient
     gets every buffered batch (seq, payload byte for byte) and stops at SGLang's end marker."""
     import asyncio
 
     import zmq.asyncio
 
-    from kvtier.producers.sglang_source import ReplayClient
+    from kvtier.producers.sglang_source import ReplaySocketClient
     from kvtier.schemas.sglang import decode_payload
 
     base = free_run(2)
@@ -387,7 +387,7 @@ def test_sglang_replay_reply_layout_is_what_the_bridge_parses(kv):
         worker.wait_sent()
         ctx = zmq.asyncio.Context()
         try:
-            batches = asyncio.run(ReplayClient(ctx, worker.replay_endpoint, timeout_s=5).fetch(1))
+            batches = asyncio.run(ReplaySocketClient(ctx, worker.replay_endpoint, timeout_s=5).fetch(1))
         finally:
             ctx.term()
         assert [b.seq for b in batches] == [1, 2]

@@ -241,7 +241,7 @@ def format_tune(report: dict) -> str:
 
 
 def run_tune(args) -> int:
-    from kvtier.bench.replay import shape_from_args
+    from kvtier.bench.trace_replay import shape_from_args
 
     trace = args.trace or str(CONVERSATION_TRACE)
     shape = shape_from_args(args)

@@ -1,7 +1,7 @@
 """`kvtier demo`: the main job on embedded defaults, no flags needed; under three minutes on
 two cores.
 
-1. The policies side by side on one cluster, lockstep (kvtier/bench/replay.py): random,
+1. The policies side by side on one cluster, lockstep (kvtier/bench/trace_replay.py): random,
    round robin, kvtier's four policies, the oracle (kvtier's formula on the simulator's
    ground truth) and the bounds (infinite cache, one LRU as large as the whole cluster). The
    headline policies, device-only and tier-aware + shared, go through the real pipeline:
@@ -29,7 +29,8 @@ import sys
 import time
 from dataclasses import replace
 
-from kvtier.bench.replay import (
+from kvtier.bench.trace import load_trace, prepare
+from kvtier.bench.trace_replay import (
     KVTIER_POLICIES,
     ReplaySettings,
     add_gap_closed,
@@ -41,7 +42,6 @@ from kvtier.bench.replay import (
     shape_from_args,
     verdict,
 )
-from kvtier.bench.trace import load_trace, prepare
 from kvtier.producers.sim_cluster import ClusterShape
 
 MIN_FREE_MEMORY = 2 << 30
