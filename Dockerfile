@@ -31,10 +31,10 @@ COPY router/ router/
 # A regular (not editable) install: the venv no longer needs /src afterwards. The imports run
 # from / (not /src, which would shadow the installed package) and fail the build when a module or
 # a package-data file did not make it into the wheel, e.g. a subpackage missing from
-# pyproject's `packages` list (kvtier.harness.demo and kvtier.commands.errors import kvtier.bench).
+# pyproject's `packages` list (kvtier.commands.errors imports kvtier.bench, kvtier.harness and kvtier.plumbing).
 RUN /opt/kvtier/bin/pip install . \
  && cd / \
- && /opt/kvtier/bin/python -c "import importlib.resources as r, kvtier.harness.demo, kvtier.commands.errors, kvtier.producers.bridge, kvtier.producers.sim_worker, kvtier.consumers.processor, kvtier.router.service; assert r.files('kvtier.consumers').joinpath('apply.lua').is_file() and r.files('kvtier.router').joinpath('select_and_book.lua').is_file()" \
+ && /opt/kvtier/bin/python -c "import importlib.resources as r, kvtier.cli, kvtier.bench.demo, kvtier.commands.errors, kvtier.tools.doctor.report, kvtier.producers.bridge, kvtier.producers.sim_worker, kvtier.consumers.processor, kvtier.router.service; assert r.files('kvtier.consumers').joinpath('apply.lua').is_file() and r.files('kvtier.router').joinpath('select_and_book.lua').is_file()" \
  && /opt/kvtier/bin/kvtier --help > /dev/null
 
 # --- runtime ------------------------------------------------------------------------------

@@ -142,9 +142,9 @@ def test_the_stages_meet_only_in_schemas():
 
 
 def test_plumbing_and_the_services_never_reach_up_to_tools_commands_or_benches():
-    """kvtier/plumbing/ imports only schemas/ and itself; producers/, consumers/, router/ and
-    plumbing never import the operator tools, the command modules or the benches (the layout
-    of kvtier/README.md: services at the bottom, what drives or inspects them on top)."""
+    """kvtier/plumbing/ imports only schemas/ and itself, kvtier/harness/ only those; producers/,
+    consumers/, router/ and plumbing never import the operator tools, the command modules or the
+    benches (the layout of kvtier/README.md: services below, what drives or inspects them above)."""
     graph = import_graph()
     below = ("kvtier.plumbing", "kvtier.producers", "kvtier.consumers", "kvtier.router")
     above = ("kvtier.tools", "kvtier.commands", "kvtier.bench", "kvtier.cli")
@@ -155,9 +155,13 @@ def test_plumbing_and_the_services_never_reach_up_to_tools_commands_or_benches()
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, below)
                     for t in targets if within(t, above))
     assert not upward, "imports upward:\n  " + "\n  ".join(upward)
+    base = ("kvtier.plumbing", "kvtier.schemas")
     plumbing_out = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, ("kvtier.plumbing",))
-                          for t in targets if not within(t, ("kvtier.plumbing", "kvtier.schemas")))
+                          for t in targets if not within(t, base))
     assert not plumbing_out, "plumbing imports beyond schemas:\n  " + "\n  ".join(plumbing_out)
+    harness_out = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, ("kvtier.harness",))
+                         for t in targets if not within(t, (*base, "kvtier.harness")))
+    assert not harness_out, "harness imports beyond plumbing and schemas:\n  " + "\n  ".join(harness_out)
 
 
 def test_the_graph_is_the_real_one():
