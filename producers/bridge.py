@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -413,6 +414,9 @@ class RankBridge:
         log.warning("%s: dead-lettered engine input (seq %s): %s", self._label, engine_seq, reason[:1024])
         headers = dead_letter_headers(Kvtier_Reason=reason[:1024], Kvtier_Stage="bridge",
                                       Kvtier_Worker=self.cfg.worker_id, Kvtier_Model=self.cfg.model)
+        # Its own id, kept by every retry: a letter whose ack was lost (a timeout while
+        # hundreds are in flight on a busy broker) is stored once, not once per try.
+        headers["Nats-Msg-Id"] = f"kvtier-dlq:bridge:{secrets.token_hex(12)}"
         if engine_seq is not None:
             headers["Kvtier-Engine-Seq"] = str(engine_seq)
         limit = _max_payload(self.nc) - _ENVELOPE_BYTES

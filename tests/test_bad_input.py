@@ -46,6 +46,9 @@ def test_bad_engine_input_is_dead_lettered_and_the_bridge_keeps_going(nats_serve
         reasons = [headers["Kvtier-Reason"] for _subject, headers, _data in letters]
         assert len(letters) == 5, reasons
         assert all(subject == "kvtier.dlq.bridge.m-bad.w0" for subject, _, _ in letters)
+        # each letter has its own dedupe id, which a retry after a lost ack reuses (stored once)
+        ids = [headers.get("Nats-Msg-Id") for _subject, headers, _data in letters]
+        assert all(ids) and len(set(ids)) == 5, ids
         assert any("truncated" in r for r in reasons), reasons
         assert any("Expected `int`, got `str`" in r for r in reasons), reasons
         assert any("unknown medium 'SSD_TIER9'" in r for r in reasons), reasons
