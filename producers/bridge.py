@@ -35,6 +35,7 @@ from kvtier.producers.sglang_source import (
     SglangSubscriber,
     SourceSequencer,
     parse_pub_frames,
+    same_ts,
 )
 from kvtier.schemas.events import (
     BridgeCursor,
@@ -479,7 +480,7 @@ def _after_matching(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBa
     for i, raw in enumerate(buffered):
         if raw.seq == seq:
             decoded, raw_ts = _decode(raw)
-            return buffered[i + 1:] if raw_ts == ts else None
+            return buffered[i + 1:] if same_ts(raw_ts, ts) else None
     return None
 
 

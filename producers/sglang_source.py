@@ -99,6 +99,13 @@ def _split_replay(frames: list[bytes]) -> tuple[bytes, bytes]:
     raise ReplaySocketError(f"unexpected replay reply with {len(frames)} frames")
 
 
+def same_ts(a: float | None, b: float | None) -> bool:
+    """Whether two engine timestamps are the same one. NaN counts as equal to itself: a batch
+    whose ts is NaN, seen again in a replay, is that batch again, not an engine restart (which
+    would begin a new epoch and forward, and dead-letter, everything a second time)."""
+    return a == b or (a is not None and b is not None and a != a and b != b)
+
+
 class SourceSequencer:
     """Decides what an incoming engine seq means. Pure bookkeeping, no I/O.
 
@@ -118,7 +125,7 @@ class SourceSequencer:
             return self.ACCEPT
         if seq > self.expected:
             return self.GAP
-        if seq in self._recent and self._recent[seq] == ts:
+        if seq in self._recent and same_ts(self._recent[seq], ts):
             return self.DUPLICATE
         return self.RESTART
 
@@ -137,8 +144,8 @@ class SourceSequencer:
         self.expected = seq
 
     def seen(self, seq: int, ts: float | None) -> bool:
-        return seq in self._recent and self._recent[seq] == ts
+        return seq in self._recent and same_ts(self._recent[seq], ts)
 
 
-__all__ = ["RawBatch", "SglangSubscriber", "ReplaySocketClient", "ReplaySocketError", "SourceSequencer",
+__all__ = ["RawBatch", "SglangSubscriber", "ReplaySocketClient", "ReplaySocketError", "SourceSequencer", "same_ts",
            "parse_pub_frames", "SEQ_BYTES"]

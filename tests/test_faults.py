@@ -95,6 +95,24 @@ def test_dropped_zmq_batch_is_recovered_from_the_replay_socket(nats_server, redi
         assert "recovered from replay" in run.bridge.output()
 
 
+def test_a_batch_with_a_nan_timestamp_seen_again_in_a_replay_is_no_engine_restart(nats_server, redis_server):
+    """Before: the bridge compared engine timestamps with ==, and NaN != NaN, so the batch
+    before a gap, fetched again from the replay socket, looked like a restarted engine: a new
+    epoch, and everything in the buffer forwarded (and its bad events dead-lettered) again."""
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+        workload, reference = HiCacheWorkload(seed=9), ReferenceModel()
+        run.publish(workload, reference, 20)
+        events = workload.next_batch()
+        run.publisher.publish(events, ts=float("nan"))  # the engine's clock gave NaN once
+        reference.apply(events)
+        run.publish(workload, reference, 2, deliver=False)  # lost on the PUB path: a gap
+        run.publish(workload, reference, 20)
+        run.converge(reference)
+        state = run.state()
+        assert state["epochs"] == "1" and state["last_epoch_reason"] == "bridge_start", run.bridge.output()[-2000:]
+        assert "recovered from replay" in run.bridge.output()
+
+
 def test_gap_beyond_the_replay_buffer_starts_a_new_epoch(nats_server, redis_server):
     with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
         workload, reference = HiCacheWorkload(seed=8), ReferenceModel()
