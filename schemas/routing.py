@@ -157,3 +157,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 class ErrorBody(msgspec.Struct, frozen=True):
     error: str
+
+
+_route_response = msgspec.json.Decoder(RouteResponse)
+
+
+def decode_route_response(body: bytes | str) -> RouteResponse:
+    """A router's `/v1/route` answer (200), as kvtier's benchmark clients read it. Raises
+    msgspec.DecodeError/ValidationError."""
+    return _route_response.decode(body)
