@@ -39,6 +39,7 @@ import msgspec
 
 from kvtier.consumers.analytics_model import TIER_NAMES, TierAnalytics
 from kvtier.consumers.pull import PullStream, consume, filter_config, read_stream
+from kvtier.schemas.analytics_health import AnalyticsHealth
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.routing import DECISION_SCHEMA_VERSION, RouteDecision
 from kvtier.schemas.subjects import (
@@ -363,9 +364,9 @@ class AnalyticsService:
         from aiohttp import web
 
         ok = self.nc is not None and self.nc.is_connected
-        body = {"status": "ok" if ok else "degraded", "nats": ok, "rebuilding": self._rebuilding,
-                "workers": len(self.analytics.workers)}
-        return web.json_response(body, status=200)
+        body = AnalyticsHealth(status="ok" if ok else "degraded", nats=ok, rebuilding=self._rebuilding,
+                               workers=len(self.analytics.workers))
+        return web.Response(body=msgspec.json.encode(body), status=200, content_type="application/json")
 
     async def _durable(self, js, stream: str) -> int:
         """Create or resume this analytics' durable consumer on `stream`; returns the stream
