@@ -69,6 +69,7 @@ from kvtier.schemas.events import (
 )
 from kvtier.schemas.hashes import INT64_MAX, INT64_MIN, BlockHash, sglang_block_hashes
 from kvtier.schemas.health import HashCheck, decode_hash_check, encode_hash_check
+from kvtier.schemas.jetstream import decode_jsz
 from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import (
@@ -555,6 +556,22 @@ def generate_replies(draw):
 
 
 @st.composite
+def jsz_replies(draw):
+    """nats-server's `/jsz?streams=true`, as `kvtier bench soak` samples it."""
+    stamps = st.sampled_from(["0001-01-01T00:00:00Z", "2025-06-01T12:00:00.123456789Z", "2025-06-01T12:00:00Z",
+                              "2025-06-01T12:00:00.12+02:00", "not a time", "", "2025-13-45T99:00:00.x"])
+    streams = [{"name": name, "config": {"subjects": ["kvtier.events.>"]},
+                "state": draw(st.none() | st.fixed_dictionaries(
+                    {"messages": st.integers(0, 1 << 40), "bytes": st.integers(0, 1 << 50)},
+                    optional={"first_ts": st.none() | stamps, "last_seq": st.integers(0, 1 << 40)}))}
+               for name in draw(st.lists(st.sampled_from(["KVTIER_EVENTS", "KVTIER_DLQ", "KVTIER_DECISIONS"]),
+                                         max_size=3, unique=True))]
+    account = {"name": "$G", "id": "$G", "stream_detail": draw(st.sampled_from([streams, None, []]))}
+    return {"server_id": "N", "now": "2025-06-01T12:00:05Z", "streams": len(streams),
+            "account_details": draw(st.sampled_from([[account], None, []]))}
+
+
+@st.composite
 def router_healths(draw):
     """Routers' `/healthz` bodies, some without fields (an older router), as `kvtier doctor` reads them."""
     body: dict = {
@@ -870,6 +887,18 @@ def check_router_health(data: bytes) -> bool:
     return True
 
 
+def check_jsz(data: bytes) -> bool:
+    from kvtier.bench.soak import streams_of
+
+    try:
+        jsz = decode_jsz(data)
+    except MSGSPEC_ERRORS as exc:
+        return _refused(exc)
+    for name, stream in streams_of(jsz, 1.75e9).items():  # what the soak samples of it
+        _expect(isinstance(name, str) and math.isfinite(stream["age_s"]), f"stream {name!r}: {stream}")
+    return True
+
+
 def _route_errors():
     from kvtier.router.service import Refused
 
@@ -949,6 +978,7 @@ def decoder_targets() -> list[Target]:
         Target("sglang_server.generate_reply", inputs(generate_replies(), True), check_generate_reply),
         Target("mooncake.batch_query_reply", inputs(mooncake_replies(), True), check_mooncake_reply),
         Target("router_health.healthz", inputs(router_healths(), True), check_router_health),
+        Target("jetstream.jsz", inputs(jsz_replies(), True), check_jsz, 0.5),
         Target("routing.route", inputs(route_requests(), True), check_route_request, 2),
         Target("routing.release", inputs(release_requests(), True), check_release_request),
         Target("routing.generate", inputs(generate_requests(), True), check_generate_request),

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from kvtier.bench import clients
 from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.bench.trace import SAMPLE_TRACE, TraceRequest, load_trace
+from kvtier.schemas.jetstream import Jsz, StreamState, decode_jsz
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.sim import SimGenerateBody
 
@@ -206,24 +207,27 @@ def _parse_ts(text: str | None) -> float | None:
     head, _, frac = text.rstrip("Z").partition(".")
     try:
         base = datetime.fromisoformat(head + "+00:00").timestamp()
-    except ValueError:
+        return base + (float("0." + frac.split("+")[0].split("-")[0]) if frac else 0.0)
+    except (ValueError, OverflowError):
         return None
-    return base + (float("0." + frac.split("+")[0].split("-")[0]) if frac else 0.0)
 
 
 def jetstream_streams(monitor_port: int) -> dict[str, dict]:
     """name -> {bytes, messages, age_s} from nats-server's /jsz."""
     url = f"http://127.0.0.1:{monitor_port}/jsz?streams=true"
     with urllib.request.urlopen(url, timeout=2) as response:
-        data = json.load(response)
+        return streams_of(decode_jsz(response.read()), time.time())
+
+
+def streams_of(jsz: Jsz, now: float) -> dict[str, dict]:
+    """name -> {bytes, messages, age_s} (seconds since the oldest message, at `now`)."""
     out = {}
-    now = time.time()
-    for account in data.get("account_details") or []:
-        for stream in account.get("stream_detail") or []:
-            state = stream.get("state") or {}
-            first = _parse_ts(state.get("first_ts"))
-            out[stream["name"]] = {"bytes": state.get("bytes", 0), "messages": state.get("messages", 0),
-                                   "age_s": round(now - first, 1) if first and state.get("messages") else 0.0}
+    for account in jsz.account_details or []:
+        for stream in account.stream_detail or []:
+            state = stream.state or StreamState()
+            first = _parse_ts(state.first_ts)
+            out[stream.name] = {"bytes": state.bytes, "messages": state.messages,
+                                "age_s": round(now - first, 1) if first and state.messages else 0.0}
     return out
 
 
