@@ -73,11 +73,13 @@ from kvtier.schemas.jetstream import decode_jsz
 from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import (
+    ErrorBody,
     GenerateRequest,
     ReleaseRequest,
     RouteRequest,
     ScoringWeights,
     TierOverlap,
+    decode_route_response,
 )
 from kvtier.schemas.sglang import (
     MAX_EVENTS_PER_BATCH,
@@ -1662,10 +1664,10 @@ def check_router_exchange(stack: RouterStack, path: str, body: bytes) -> int:
     _expect(status < 500, f"{status} for {path} {body[:300]!r}: {raw[:500]!r}")
     if status >= 400:
         try:
-            error = json.loads(raw)["error"]
-        except (ValueError, KeyError, TypeError):
+            error = msgspec.json.decode(raw, type=ErrorBody).error
+        except MSGSPEC_ERRORS:
             raise Violation(f"{status} without a JSON error body: {raw[:300]!r}") from None
-        _expect(isinstance(error, str) and len(error) > 5, f"empty error message: {raw[:300]!r}")
+        _expect(len(error) > 5, f"empty error message: {raw[:300]!r}")
     if expectation == "invalid":
         _expect(status == 400 and detail in error, f"{status} {raw[:300]!r} for a body the decoder refuses "
                                                    f"({detail})")
@@ -1695,7 +1697,11 @@ def check_router_exchange(stack: RouterStack, path: str, body: bytes) -> int:
 def check_router_still_serves(stack: RouterStack) -> None:
     status, raw = stack.request("POST", "/v1/route", encode_json({"model": stack.model, "token_ids": list(range(1, 17)),
                                                                   "book": False}))
-    _expect(status == 200 and json.loads(raw)["worker_id"] in stack.WORKERS, f"{status} {raw[:300]!r}")
+    try:
+        worker = decode_route_response(raw).worker_id if status == 200 else None
+    except MSGSPEC_ERRORS:
+        worker = None
+    _expect(worker in stack.WORKERS, f"{status} {raw[:300]!r}")
 
 
 # --- `kvtier bench fuzz` -------------------------------------------------------------------
