@@ -41,7 +41,7 @@ from kvtier.consumers.analytics_model import TIER_NAMES, TierAnalytics
 from kvtier.consumers.pull import PullStream, consume, filter_config, read_stream
 from kvtier.schemas.analytics_health import AnalyticsHealth
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
-from kvtier.schemas.routing import DECISION_SCHEMA_VERSION, RouteDecision
+from kvtier.schemas.routing import decode_decision
 from kvtier.schemas.subjects import (
     DECISIONS_PREFIX,
     DECISIONS_STREAM,
@@ -78,7 +78,6 @@ class MessageFeeder:
     def __init__(self, analytics: TierAnalytics, models: list[str] | None = None):
         self.analytics = analytics
         self.models = set(models) if models else None
-        self._decision_decoder = msgspec.msgpack.Decoder(RouteDecision)
         self.last_time: dict[str, float] = {}
 
     def event(self, data: bytes, at: float) -> str:
@@ -107,9 +106,7 @@ class MessageFeeder:
     def decision(self, data: bytes, at: float) -> str:
         self.last_time[DECISIONS_STREAM] = at
         try:
-            decision = self._decision_decoder.decode(data)
-            if decision.v > DECISION_SCHEMA_VERSION:
-                raise UnsupportedVersion(f"decision schema v{decision.v}")
+            decision = decode_decision(data)
         except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
             self.analytics.undecodable[DECISIONS_STREAM] += 1
             return "undecodable"

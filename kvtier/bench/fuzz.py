@@ -73,13 +73,18 @@ from kvtier.schemas.jetstream import decode_jsz
 from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import (
+    CandidateScore,
     ErrorBody,
     GenerateRequest,
     ReleaseRequest,
+    RouteDecision,
     RouteRequest,
     ScoringWeights,
     TierOverlap,
+    decision_request_id,
+    decode_decision,
     decode_route_response,
+    encode_decision,
 )
 from kvtier.schemas.sglang import (
     MAX_EVENTS_PER_BATCH,
@@ -557,6 +562,22 @@ def generate_replies(draw):
     return draw(st.sampled_from([reply, [reply], []]))
 
 
+def route_decisions() -> st.SearchStrategy[RouteDecision]:
+    """Decisions as routers publish them on `kvtier.decisions.<model>` (some of a newer `v`)."""
+    overlaps = st.builds(TierOverlap, device=st.integers(0, 64), host=st.integers(0, 64), disk=st.integers(0, 64),
+                         shared_beyond=st.integers(0, 64), predicted=st.integers(0, 8))
+    candidates = st.builds(CandidateScore, worker_id=NAMES, logit=st.floats(-1e6, 1e6), overlap=overlaps,
+                           prefill_load=st.integers(0, 1 << 20), decode_load=st.integers(0, 1 << 20),
+                           page_size=st.integers(1, 1024))
+    return st.builds(
+        RouteDecision, v=st.sampled_from([1, 1, 1, 2]), request_id=NAMES, model=NAMES, router_id=NAMES,
+        ts=st.floats(0, 2e9), weights=st.just(ScoringWeights()), random_draw=st.floats(0, 1),
+        page_hashes=st.dictionaries(st.sampled_from([4, 16, 64]), st.lists(HASHES, max_size=4), max_size=2),
+        request_pages=st.integers(0, 64), chosen=NAMES, candidates=st.lists(candidates, max_size=3),
+        degraded=st.lists(st.sampled_from(["state-store-unavailable", "shared-pool-unavailable"]), max_size=2),
+        latency_ms=st.floats(0, 100), shared_pool_queried=st.booleans())
+
+
 @st.composite
 def jsz_replies(draw):
     """nats-server's `/jsz?streams=true`, as `kvtier bench soak` samples it."""
@@ -889,6 +910,22 @@ def check_router_health(data: bytes) -> bool:
     return True
 
 
+def check_decision(data: bytes) -> bool:
+    """A decision-log message decodes or is refused (a newer `v` included); the search's
+    request-id-only read agrees with the full decode; analytics counts a valid one."""
+    from kvtier.consumers.analytics_model import TierAnalytics
+
+    try:
+        decision = decode_decision(data)
+    except (*MSGSPEC_ERRORS, UnsupportedVersion) as exc:
+        return _refused(exc)
+    encoded = encode_decision(decision)
+    _expect(encode_decision(decode_decision(encoded)) == encoded, "decision does not round-trip")
+    _expect(decision_request_id(data) == decision.request_id, "the request id read alone differs")
+    TierAnalytics().decision(decision)
+    return True
+
+
 def check_jsz(data: bytes) -> bool:
     from kvtier.bench.soak import streams_of
 
@@ -980,6 +1017,8 @@ def decoder_targets() -> list[Target]:
         Target("sglang_server.generate_reply", inputs(generate_replies(), True), check_generate_reply),
         Target("mooncake.batch_query_reply", inputs(mooncake_replies(), True), check_mooncake_reply),
         Target("router_health.healthz", inputs(router_healths(), True), check_router_health),
+        Target("routing.decision", inputs(route_decisions().map(lambda d: msgspec.msgpack.decode(encode_decision(d)))),
+               check_decision),
         Target("jetstream.jsz", inputs(jsz_replies(), True), check_jsz, 0.5),
         Target("routing.route", inputs(route_requests(), True), check_route_request, 2),
         Target("routing.release", inputs(release_requests(), True), check_release_request),
