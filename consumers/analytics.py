@@ -39,8 +39,9 @@ import msgspec
 
 from kvtier.consumers.analytics_model import TIER_NAMES, TierAnalytics
 from kvtier.consumers.pull import PullStream, consume, filter_config, read_stream
+from kvtier.schemas.analytics_health import AnalyticsHealth
 from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce, WorkerExpired, decode_message
-from kvtier.schemas.routing import DECISION_SCHEMA_VERSION, RouteDecision
+from kvtier.schemas.routing import decode_decision
 from kvtier.schemas.subjects import (
     DECISIONS_PREFIX,
     DECISIONS_STREAM,
@@ -77,7 +78,6 @@ class MessageFeeder:
     def __init__(self, analytics: TierAnalytics, models: list[str] | None = None):
         self.analytics = analytics
         self.models = set(models) if models else None
-        self._decision_decoder = msgspec.msgpack.Decoder(RouteDecision)
         self.last_time: dict[str, float] = {}
 
     def event(self, data: bytes, at: float) -> str:
@@ -106,9 +106,7 @@ class MessageFeeder:
     def decision(self, data: bytes, at: float) -> str:
         self.last_time[DECISIONS_STREAM] = at
         try:
-            decision = self._decision_decoder.decode(data)
-            if decision.v > DECISION_SCHEMA_VERSION:
-                raise UnsupportedVersion(f"decision schema v{decision.v}")
+            decision = decode_decision(data)
         except (msgspec.DecodeError, msgspec.ValidationError, UnsupportedVersion):
             self.analytics.undecodable[DECISIONS_STREAM] += 1
             return "undecodable"
@@ -363,9 +361,9 @@ class AnalyticsService:
         from aiohttp import web
 
         ok = self.nc is not None and self.nc.is_connected
-        body = {"status": "ok" if ok else "degraded", "nats": ok, "rebuilding": self._rebuilding,
-                "workers": len(self.analytics.workers)}
-        return web.json_response(body, status=200)
+        body = AnalyticsHealth(status="ok" if ok else "degraded", nats=ok, rebuilding=self._rebuilding,
+                               workers=len(self.analytics.workers))
+        return web.Response(body=msgspec.json.encode(body), status=200, content_type="application/json")
 
     async def _durable(self, js, stream: str) -> int:
         """Create or resume this analytics' durable consumer on `stream`; returns the stream

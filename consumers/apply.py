@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import msgspec
 import redis
 
 from kvtier.plumbing.lua_scripts import load_lua
@@ -24,6 +23,7 @@ from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key,
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, page_member, split_member, store_key
 from kvtier.schemas.subjects import partition_of
 from kvtier.schemas.tiers import TIER_PRIORITY, Tier
+from kvtier.schemas.worker import encode_worker_metadata
 
 
 class ApplyStatus(enum.IntEnum):
@@ -202,7 +202,7 @@ class TierStateWriter:
         # because routers walk each worker's pages with the request hashed at that size.
         _recorded, stale = self._announce(
             keys=[keys.meta(meta.worker_id), keys.leases, keys.workers, keys.page_sizes, keys.state(meta.worker_id)],
-            args=[meta.worker_id, expiry_ms, msgspec.json.encode(meta), meta.page_size])
+            args=[meta.worker_id, expiry_ms, encode_worker_metadata(meta), meta.page_size])
         return stale not in (b"0", "0", 0)
 
     def forget_dead_workers(self, retention_s: float, now: float | None = None) -> list[tuple[str, str]]:

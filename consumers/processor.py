@@ -48,11 +48,13 @@ from kvtier.consumers.pull import PullStream, consume
 from kvtier.plumbing.connections import redact, redis_async_client, redis_client
 from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
 from kvtier.schemas.events import (
+    ControlRequest,
     EventBatch,
     UnsupportedVersion,
     WorkerAnnounce,
     WorkerExpired,
     decode_message,
+    encode_control,
     encode_message,
 )
 from kvtier.schemas.health import decode_hash_check, encode_hash_check
@@ -579,7 +581,7 @@ class Processor:
         self._last_resync[key] = now
         RESYNCS.inc()
         await self.nc.publish(control_subject(model, worker_id),
-                              msgspec.json.encode({"request": "resync", "reason": reason}))
+                              encode_control(ControlRequest(request="resync", reason=reason)))
 
     # --- leases and gauges ------------------------------------------------------------------
     async def _housekeeping(self, stop: asyncio.Event) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -26,6 +25,9 @@ from dataclasses import dataclass
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
+from kvtier.schemas.jetstream import PullRequest, encode_pull_request
+from kvtier.schemas.subjects import pull_next_subject
 
 _STATUS = "Status"
 _PENDING = "Nats-Pending-Messages"
@@ -61,7 +63,7 @@ class ConsumerGone(RuntimeError):
 class PullStream:
     def __init__(self, nc, stream: str, durable: str, max_batch: int = 256, expires_s: float = 5.0):
         self.nc = nc
-        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.next_subject = pull_next_subject(stream, durable)
         self.max_batch = max_batch
         self.expires_ns = int(expires_s * 1e9)
         self.inbox = nc.new_inbox()
@@ -90,7 +92,7 @@ class PullStream:
         # Two batches in flight: the next one is already requested while this one is applied.
         if self.outstanding <= self.max_batch:
             wanted = 2 * self.max_batch - self.outstanding
-            request = json.dumps({"batch": wanted, "expires": self.expires_ns}).encode()
+            request = encode_pull_request(PullRequest(batch=wanted, expires=self.expires_ns))
             await self.nc.publish(self.next_subject, request, reply=self.inbox)
             if not self.outstanding:
                 self._last_heard = time.monotonic()

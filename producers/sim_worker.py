@@ -10,6 +10,7 @@ consumes them unchanged. Requests come over HTTP:
         -> {"rank", "meta_info": {"prompt_tokens", "cached_tokens", "cached_tokens_details":
             {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s", "e2e_latency",
             "arrived_behind_s"}}
+        (schemas/sglang_server.py `GenerateReply`, the type SGLang's reply is decoded with)
         Times are simulated seconds from producers/cost_model.py (docs/COST_MODEL.md).
         "arrived_behind_s" > 0: the rank already served a request with a later "now" (the
         caller's requests reached it out of order), so this one queued behind later work.
@@ -29,6 +30,9 @@ store instead: pages are written and looked up as SGLang HiCache's Mooncake back
 and a router asks the master itself.
   GET  /healthz
 
+Every body is a schemas/ type: the sim-worker's own in schemas/sim.py, those it shares with
+SGLang and Mooncake in schemas/sglang_server.py and schemas/mooncake.py.
+
 Time is the caller's: `now` in seconds of simulated time (a trace's clock), so a replay is
 reproducible whatever the wall-clock speed.
 """
@@ -47,22 +51,12 @@ from aiohttp import web
 from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, SimConfig
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import PageDigest
+from kvtier.schemas.mooncake import BatchQueryReply, KeyStatus
+from kvtier.schemas.routing import ErrorBody
+from kvtier.schemas.sglang_server import CachedTokensDetails, GenerateMetaInfo, GenerateReply
+from kvtier.schemas.sim import AdvanceBody, AdvanceReply, FlushReply, RankTiers, SimGenerateBody, SimHealth
 
 log = logging.getLogger("kvtier.sim")
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    max_new_tokens: int = 0  # decode steps the request keeps the engine's batch busy for
-
-
-class GenerateBody(msgspec.Struct, frozen=True):
-    input_ids: list[int]
-    now: float | None = None
-    sampling_params: SamplingParams = SamplingParams()
-
-
-class AdvanceBody(msgspec.Struct, frozen=True):
-    now: float
 
 
 @dataclass
@@ -149,18 +143,28 @@ class MooncakeStorePool:
         self.writer.close()
 
 
+_json = msgspec.json.Encoder()
+_generate_body = msgspec.json.Decoder(SimGenerateBody)
+_advance_body = msgspec.json.Decoder(AdvanceBody)
+
+
+def json_response(body: msgspec.Struct | RankTiers, status: int = 200) -> web.Response:
+    """`body` (a schemas/ type) as a JSON reply."""
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
 def pool_query_response(pool, request: web.Request) -> web.Response:
     """`GET /batch_query_keys?keys=k1,k2` answered from `pool` in the Mooncake master's format."""
     raw = request.query.get("keys", "")
     if not raw:
-        return web.json_response({"success": False, "error": "No keys provided. Use ?keys=key1,key2,..."},
-                                 status=400)
+        return json_response(BatchQueryReply(success=False, error="No keys provided. Use ?keys=key1,key2,..."),
+                             status=400)
     data = {}
     for key in raw.split(","):
         digest = _digest_of_key(key)
         ok = bool(pool is not None and digest is not None and pool.contains(digest))
-        data[key] = {"ok": ok, "error": None if ok else "OBJECT_NOT_FOUND"}
-    return web.json_response({"success": True, "data": data})
+        data[key] = KeyStatus(ok=ok, error=None if ok else "OBJECT_NOT_FOUND")
+    return json_response(BatchQueryReply(success=True, data=data))
 
 
 class SimWorkers:
@@ -202,32 +206,33 @@ class SimWorkers:
         if not 0 <= rank < len(self.sims):
             raise web.HTTPNotFound(reason=f"no rank {rank}; this sim-worker has {len(self.sims)}")
         try:
-            body = msgspec.json.decode(await request.read(), type=GenerateBody)
+            body = _generate_body.decode(await request.read())
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return web.json_response({"error": f"invalid body: {exc}"}, status=400)
+            return json_response(ErrorBody(f"invalid body: {exc}"), status=400)
         async with self._lock:
             now = self._tick(body.now)
             behind = max(0.0, self._latest_served[rank] - now)
             self._latest_served[rank] = max(self._latest_served[rank], now)
-            result = self.sims[rank].serve(body.input_ids, now, body.sampling_params.max_new_tokens)
+            result = self.sims[rank].serve(body.input_ids, now, body.sampling_params.max_new_tokens or 0)
             self._flush(rank)
         page = self.config.sim.page_size
-        return web.json_response({"rank": rank, "meta_info": {
-            "prompt_tokens": len(body.input_ids),
-            "cached_tokens": (result.device_hit_pages + result.host_hit_pages + result.l3_hit_pages) * page,
-            "cached_tokens_details": {"device": result.device_hit_pages * page, "host": result.host_hit_pages * page,
-                                      "l3": result.l3_hit_pages * page},
-            "recomputed_tokens": result.recomputed_tokens, "queue_s": result.queue_s, "ttft_s": result.ttft_s,
-            "e2e_latency": result.complete_at - now, "arrived_behind_s": behind}})
+        return json_response(GenerateReply(rank=rank, meta_info=GenerateMetaInfo(
+            prompt_tokens=len(body.input_ids),
+            cached_tokens=(result.device_hit_pages + result.host_hit_pages + result.l3_hit_pages) * page,
+            cached_tokens_details=CachedTokensDetails(device=result.device_hit_pages * page,
+                                                      host=result.host_hit_pages * page,
+                                                      l3=result.l3_hit_pages * page),
+            recomputed_tokens=result.recomputed_tokens, queue_s=result.queue_s, ttft_s=result.ttft_s,
+            e2e_latency=result.complete_at - now, arrived_behind_s=behind)))
 
     async def advance(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read(), type=AdvanceBody)
+        body = _advance_body.decode(await request.read())
         async with self._lock:
             self._tick(body.now)
             for rank, sim in enumerate(self.sims):
                 sim.advance(self._now)
                 self._flush(rank)
-        return web.json_response({"now": self._now})
+        return json_response(AdvanceReply(now=self._now))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         ranks = range(len(self.sims))
@@ -240,19 +245,19 @@ class SimWorkers:
             for rank in ranks:
                 self.sims[rank].reset()
                 self._flush(rank)
-        return web.json_response({"flushed": list(ranks)})
+        return json_response(FlushReply(flushed=list(ranks)))
 
     async def tiers(self, request: web.Request) -> web.Response:
         rank = int(request.match_info["rank"])
         view = self.sims[rank].tiers()
-        return web.json_response([[h, sorted(t.value for t in tiers)] for h, tiers in view.items()])
+        return json_response([(h, sorted(t.value for t in tiers)) for h, tiers in view.items()])
 
     async def batch_query_keys(self, request: web.Request) -> web.Response:
         return pool_query_response(self.pool, request)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ranks": len(self.sims), "now": self._now,
-                                  "l3_pages": len(self.pool) if self.pool is not None else None})
+        return json_response(SimHealth(ranks=len(self.sims), now=self._now,
+                                       l3_pages=len(self.pool) if self.pool is not None else None))
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgspec
-
-from kvtier.schemas.routing import RouteDecision
+from kvtier.schemas.routing import RouteDecision, encode_decision
 from kvtier.schemas.subjects import decisions_subject
 
 log = logging.getLogger("kvtier.router.decisions")
@@ -20,7 +18,6 @@ class DecisionLog:
     def __init__(self, nats_url: str | None, max_queue: int = 10_000, on_published=None, on_dropped=None):
         self._url = nats_url
         self._queue: asyncio.Queue[RouteDecision] = asyncio.Queue(max_queue)
-        self._encoder = msgspec.msgpack.Encoder()
         self._on_published = on_published or (lambda n: None)
         self._on_dropped = on_dropped or (lambda n: None)
         self._nc = None
@@ -64,7 +61,7 @@ class DecisionLog:
             while len(batch) < 256 and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             results = await asyncio.gather(
-                *(js.publish(decisions_subject(d.model), self._encoder.encode(d), timeout=5.0) for d in batch),
+                *(js.publish(decisions_subject(d.model), encode_decision(d), timeout=5.0) for d in batch),
                 return_exceptions=True)
             failed = sum(1 for r in results if isinstance(r, Exception))
             if failed:

@@ -4,7 +4,8 @@
   (the bridge's SGLang discovery, the simulator and routers all name them through it).
 - The master's HTTP existence query, as the router reads it:
   GET /batch_query_keys?keys=k1,k2 -> {"success": true, "data": {"k1": {"ok": true, ...},
-  "k2": {"ok": false, "error": "OBJECT_NOT_FOUND"}}}. Other fields are ignored.
+  "k2": {"ok": false, "error": "OBJECT_NOT_FOUND"}}}. Other fields are ignored. `kvtier
+  sim-worker`'s stand-in for the master encodes its replies from the same types.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ class KeyStatus(msgspec.Struct, frozen=True):
     error: str | None = None  # "OBJECT_NOT_FOUND" when absent; null when present
 
 
-class BatchQueryReply(msgspec.Struct, frozen=True):
+class BatchQueryReply(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The reply; encoded, an unset `data` or `error` is left out (as the master does)."""
+
     #: UNSET: the body has no `success` at all, so it is not a query reply (another HTTP server
     #: on that port); falsy like False.
     success: bool | msgspec.UnsetType = msgspec.UNSET

@@ -10,6 +10,9 @@ from typing import Annotated
 
 import msgspec
 
+from .events import UnsupportedVersion
+from .limits import guarded
+
 #: SGLang hashes token ids as uint32: anything outside is not a token id.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 Weight = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
@@ -157,3 +160,41 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 class ErrorBody(msgspec.Struct, frozen=True):
     error: str
+
+
+class _RequestIdOnly(msgspec.Struct):
+    """A decision-log message read for its request id alone (a search reads thousands)."""
+
+    request_id: str = ""
+
+
+_route_response = msgspec.json.Decoder(RouteResponse)
+_decision_encoder = msgspec.msgpack.Encoder()
+_decision = msgspec.msgpack.Decoder(RouteDecision)
+_decision_request_id = msgspec.msgpack.Decoder(_RequestIdOnly)
+
+
+def encode_decision(decision: RouteDecision) -> bytes:
+    """A decision as published to `kvtier.decisions.<model>` (msgpack)."""
+    return _decision_encoder.encode(decision)
+
+
+def decode_decision(data: bytes) -> RouteDecision:
+    """A decision-log message. Raises msgspec.DecodeError/ValidationError, and
+    events.UnsupportedVersion for a newer major `v`."""
+    decision = guarded(_decision.decode, data)
+    if decision.v > DECISION_SCHEMA_VERSION:
+        raise UnsupportedVersion(f"decision schema v{decision.v}")
+    return decision
+
+
+def decision_request_id(data: bytes) -> str:
+    """Only the request id of a decision-log message ("" when it has none). Raises
+    msgspec.DecodeError/ValidationError."""
+    return guarded(_decision_request_id.decode, data).request_id
+
+
+def decode_route_response(body: bytes | str) -> RouteResponse:
+    """A router's `/v1/route` answer (200), as kvtier's benchmark clients read it. Raises
+    msgspec.DecodeError/ValidationError."""
+    return _route_response.decode(body)

@@ -11,8 +11,9 @@ ignored, so newer SGLang versions keep decoding. Shapes as of SGLang 0.5.23:
 - `GET /get_hicache_l3_cache_layout`: the HiCache L3 object-key layout for external KV
   routers (`mem_cache/hicache_storage.py` `disabled_l3_layout` / `merge_l3_layouts`, filled
   by the Mooncake store's `describe_l3_object_layout`).
-- `POST /generate` (native API): `meta_info`, the worker's own account of a request, which
-  `kvtier probe hicache` reads (`kvtier sim-worker` answers the same fields).
+- `POST /generate` (native API): the body kvtier's clients send (`GenerateBody`), and the
+  reply's `meta_info`, the worker's own account of a request, which `kvtier probe hicache` and
+  the benchmarks read (`kvtier sim-worker` encodes its reply from the same types).
 """
 
 from __future__ import annotations
@@ -109,7 +110,25 @@ class L3CacheLayout(msgspec.Struct, kw_only=True):
     reason: str | None = None
 
 
-class CachedTokensDetails(msgspec.Struct, kw_only=True):
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`sampling_params` of a native `/generate` body, the knobs kvtier's clients set (an unset
+    one is left out, so the server's default applies)."""
+
+    #: Decode steps; `kvtier sim-worker` keeps the engine's batch busy for that many.
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+
+
+class GenerateBody(msgspec.Struct, kw_only=True):
+    """`POST /generate`'s body as kvtier sends it (`kvtier probe hicache`, the benchmarks'
+    clients of `kvtier sim-worker`): SGLang's native request, only the fields kvtier sets.
+    (A proxying router reads a client's body as `routing.GenerateRequest`.)"""
+
+    input_ids: list[int]
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class CachedTokensDetails(msgspec.Struct, kw_only=True, omit_defaults=True):
     """`meta_info.cached_tokens_details`: the cached prompt tokens by tier (SGLang with HiCache)."""
 
     device: int | None = None
@@ -120,21 +139,33 @@ class CachedTokensDetails(msgspec.Struct, kw_only=True):
     l3: int | None = None
 
 
-class GenerateMetaInfo(msgspec.Struct, kw_only=True):
-    """`meta_info` of a `POST /generate` reply (only the fields kvtier reads)."""
+class GenerateMetaInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`meta_info` of a `POST /generate` reply (only the fields kvtier reads). `kvtier
+    sim-worker` encodes its reply from this type, so the simulator answers what kvtier decodes;
+    an unset (None) field is left out of the encoding."""
 
+    prompt_tokens: int | None = None
     #: Prompt tokens not recomputed.
     cached_tokens: int | None = None
     #: null or absent when nothing was cached, and on servers that do not report it.
     cached_tokens_details: CachedTokensDetails | None = None
+    #: `kvtier sim-worker`: prompt tokens prefilled (the prompt less the cached pages).
+    recomputed_tokens: int | None = None
+    #: `kvtier sim-worker`: arrival -> prefill start, simulated seconds.
+    queue_s: float | None = None
     #: The worker's time to first token (`kvtier sim-worker`: `ttft_s`).
     ttft_s: float | None = None
     ttft: float | None = None
     #: Request latency (SGLang); with max_new_tokens=1 the first token is the last.
     e2e_latency: float | None = None
+    #: `kvtier sim-worker`: > 0 when the rank had already served a request with a later `now`
+    #: (this one queued behind later work by that much).
+    arrived_behind_s: float | None = None
 
 
-class GenerateReply(msgspec.Struct, kw_only=True):
+class GenerateReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    #: `kvtier sim-worker`: the rank that served the request (SGLang does not send it).
+    rank: int | None = None
     meta_info: GenerateMetaInfo | None = None
 
 

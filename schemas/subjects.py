@@ -64,6 +64,12 @@ def decisions_subject(model: str) -> str:
     return f"{DECISIONS_PREFIX}.{subject_token(model)}"
 
 
+def pull_next_subject(stream: str, consumer: str) -> str:
+    """Where a JetStream pull request (schemas/jetstream.py `PullRequest`) on `consumer` of
+    `stream` is published."""
+    return f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+
+
 class EventsSubject(msgspec.Struct, frozen=True):
     """An events subject read back from the stream: `kvtier.events.<model>.<worker>.<partition>`
     (the partition token appended by the stream's transform; None on a subject as published)."""

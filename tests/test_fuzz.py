@@ -91,7 +91,8 @@ def test_every_listed_decoder_is_fuzzed():
     assert names >= {"sglang.payload", "sglang.event", "sglang.frames", "events.message", "events.control",
                      "health.hash_check", "worker.metadata", "sglang_server.server_info", "sglang_server.l3_layout",
                      "mooncake.batch_query_reply", "routing.route", "routing.release", "routing.generate",
-                     "router_health.healthz", "sglang_server.generate_reply"}
+                     "router_health.healthz", "sglang_server.generate_reply", "jetstream.jsz",
+                     "routing.decision"}
 
 
 # --- huge arrays: bounded time and memory -----------------------------------------------------

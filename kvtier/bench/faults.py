@@ -56,8 +56,9 @@ from kvtier.consumers.apply import read_worker_pages
 from kvtier.harness.embedded import NatsServer, RedisServer
 from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
 from kvtier.producers.sglang_publisher import SglangEventPublisher
+from kvtier.schemas.jetstream import PullRequest, encode_pull_request
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys
-from kvtier.schemas.subjects import EVENTS_STREAM, partition_of, subject_token
+from kvtier.schemas.subjects import EVENTS_STREAM, partition_of, pull_next_subject, subject_token
 
 MODEL = "bench-faults"
 KINDS = ("processor_kill", "processor_pause", "bridge_kill", "nats_kill", "redis_kill", "redis_loss",
@@ -444,8 +445,8 @@ async def steal_deliveries(nats_url: str, durable: str, n: int = 1) -> int:
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
-        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS_STREAM}.{durable}",
-                         json.dumps({"batch": n, "expires": 2_000_000_000}).encode(), reply=inbox)
+        await nc.publish(pull_next_subject(EVENTS_STREAM, durable),
+                         encode_pull_request(PullRequest(batch=n, expires=2_000_000_000)), reply=inbox)
         taken = 0
         while taken < n:
             try:

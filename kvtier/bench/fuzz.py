@@ -69,14 +69,22 @@ from kvtier.schemas.events import (
 )
 from kvtier.schemas.hashes import INT64_MAX, INT64_MIN, BlockHash, sglang_block_hashes
 from kvtier.schemas.health import HashCheck, decode_hash_check, encode_hash_check
+from kvtier.schemas.jetstream import decode_jsz
 from kvtier.schemas.mooncake import decode_batch_query_reply
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import (
+    CandidateScore,
+    ErrorBody,
     GenerateRequest,
     ReleaseRequest,
+    RouteDecision,
     RouteRequest,
     ScoringWeights,
     TierOverlap,
+    decision_request_id,
+    decode_decision,
+    decode_route_response,
+    encode_decision,
 )
 from kvtier.schemas.sglang import (
     MAX_EVENTS_PER_BATCH,
@@ -554,6 +562,38 @@ def generate_replies(draw):
     return draw(st.sampled_from([reply, [reply], []]))
 
 
+def route_decisions() -> st.SearchStrategy[RouteDecision]:
+    """Decisions as routers publish them on `kvtier.decisions.<model>` (some of a newer `v`)."""
+    overlaps = st.builds(TierOverlap, device=st.integers(0, 64), host=st.integers(0, 64), disk=st.integers(0, 64),
+                         shared_beyond=st.integers(0, 64), predicted=st.integers(0, 8))
+    candidates = st.builds(CandidateScore, worker_id=NAMES, logit=st.floats(-1e6, 1e6), overlap=overlaps,
+                           prefill_load=st.integers(0, 1 << 20), decode_load=st.integers(0, 1 << 20),
+                           page_size=st.integers(1, 1024))
+    return st.builds(
+        RouteDecision, v=st.sampled_from([1, 1, 1, 2]), request_id=NAMES, model=NAMES, router_id=NAMES,
+        ts=st.floats(0, 2e9), weights=st.just(ScoringWeights()), random_draw=st.floats(0, 1),
+        page_hashes=st.dictionaries(st.sampled_from([4, 16, 64]), st.lists(HASHES, max_size=4), max_size=2),
+        request_pages=st.integers(0, 64), chosen=NAMES, candidates=st.lists(candidates, max_size=3),
+        degraded=st.lists(st.sampled_from(["state-store-unavailable", "shared-pool-unavailable"]), max_size=2),
+        latency_ms=st.floats(0, 100), shared_pool_queried=st.booleans())
+
+
+@st.composite
+def jsz_replies(draw):
+    """nats-server's `/jsz?streams=true`, as `kvtier bench soak` samples it."""
+    stamps = st.sampled_from(["0001-01-01T00:00:00Z", "2025-06-01T12:00:00.123456789Z", "2025-06-01T12:00:00Z",
+                              "2025-06-01T12:00:00.12+02:00", "not a time", "", "2025-13-45T99:00:00.x"])
+    streams = [{"name": name, "config": {"subjects": ["kvtier.events.>"]},
+                "state": draw(st.none() | st.fixed_dictionaries(
+                    {"messages": st.integers(0, 1 << 40), "bytes": st.integers(0, 1 << 50)},
+                    optional={"first_ts": st.none() | stamps, "last_seq": st.integers(0, 1 << 40)}))}
+               for name in draw(st.lists(st.sampled_from(["KVTIER_EVENTS", "KVTIER_DLQ", "KVTIER_DECISIONS"]),
+                                         max_size=3, unique=True))]
+    account = {"name": "$G", "id": "$G", "stream_detail": draw(st.sampled_from([streams, None, []]))}
+    return {"server_id": "N", "now": "2025-06-01T12:00:05Z", "streams": len(streams),
+            "account_details": draw(st.sampled_from([[account], None, []]))}
+
+
 @st.composite
 def router_healths(draw):
     """Routers' `/healthz` bodies, some without fields (an older router), as `kvtier doctor` reads them."""
@@ -870,6 +910,34 @@ def check_router_health(data: bytes) -> bool:
     return True
 
 
+def check_decision(data: bytes) -> bool:
+    """A decision-log message decodes or is refused (a newer `v` included); the search's
+    request-id-only read agrees with the full decode; analytics counts a valid one."""
+    from kvtier.consumers.analytics_model import TierAnalytics
+
+    try:
+        decision = decode_decision(data)
+    except (*MSGSPEC_ERRORS, UnsupportedVersion) as exc:
+        return _refused(exc)
+    encoded = encode_decision(decision)
+    _expect(encode_decision(decode_decision(encoded)) == encoded, "decision does not round-trip")
+    _expect(decision_request_id(data) == decision.request_id, "the request id read alone differs")
+    TierAnalytics().decision(decision)
+    return True
+
+
+def check_jsz(data: bytes) -> bool:
+    from kvtier.bench.soak import streams_of
+
+    try:
+        jsz = decode_jsz(data)
+    except MSGSPEC_ERRORS as exc:
+        return _refused(exc)
+    for name, stream in streams_of(jsz, 1.75e9).items():  # what the soak samples of it
+        _expect(isinstance(name, str) and math.isfinite(stream["age_s"]), f"stream {name!r}: {stream}")
+    return True
+
+
 def _route_errors():
     from kvtier.router.service import Refused
 
@@ -949,6 +1017,9 @@ def decoder_targets() -> list[Target]:
         Target("sglang_server.generate_reply", inputs(generate_replies(), True), check_generate_reply),
         Target("mooncake.batch_query_reply", inputs(mooncake_replies(), True), check_mooncake_reply),
         Target("router_health.healthz", inputs(router_healths(), True), check_router_health),
+        Target("routing.decision", inputs(route_decisions().map(lambda d: msgspec.msgpack.decode(encode_decision(d)))),
+               check_decision),
+        Target("jetstream.jsz", inputs(jsz_replies(), True), check_jsz, 0.5),
         Target("routing.route", inputs(route_requests(), True), check_route_request, 2),
         Target("routing.release", inputs(release_requests(), True), check_release_request),
         Target("routing.generate", inputs(generate_requests(), True), check_generate_request),
@@ -1632,10 +1703,10 @@ def check_router_exchange(stack: RouterStack, path: str, body: bytes) -> int:
     _expect(status < 500, f"{status} for {path} {body[:300]!r}: {raw[:500]!r}")
     if status >= 400:
         try:
-            error = json.loads(raw)["error"]
-        except (ValueError, KeyError, TypeError):
+            error = msgspec.json.decode(raw, type=ErrorBody).error
+        except MSGSPEC_ERRORS:
             raise Violation(f"{status} without a JSON error body: {raw[:300]!r}") from None
-        _expect(isinstance(error, str) and len(error) > 5, f"empty error message: {raw[:300]!r}")
+        _expect(len(error) > 5, f"empty error message: {raw[:300]!r}")
     if expectation == "invalid":
         _expect(status == 400 and detail in error, f"{status} {raw[:300]!r} for a body the decoder refuses "
                                                    f"({detail})")
@@ -1665,7 +1736,11 @@ def check_router_exchange(stack: RouterStack, path: str, body: bytes) -> int:
 def check_router_still_serves(stack: RouterStack) -> None:
     status, raw = stack.request("POST", "/v1/route", encode_json({"model": stack.model, "token_ids": list(range(1, 17)),
                                                                   "book": False}))
-    _expect(status == 200 and json.loads(raw)["worker_id"] in stack.WORKERS, f"{status} {raw[:300]!r}")
+    try:
+        worker = decode_route_response(raw).worker_id if status == 200 else None
+    except MSGSPEC_ERRORS:
+        worker = None
+    _expect(worker in stack.WORKERS, f"{status} {raw[:300]!r}")
 
 
 # --- `kvtier bench fuzz` -------------------------------------------------------------------

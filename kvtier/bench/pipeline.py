@@ -24,11 +24,12 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from kvtier.bench import clients
 from kvtier.bench.policies import CandidateView, Decision, worker_id
 from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.bench.trace import PreparedRequest
 from kvtier.producers.sim_cluster import SimCluster
-from kvtier.schemas.routing import TierOverlap
+from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
 
 #: How long the driver waits for the pipeline to apply a batch before calling it broken.
@@ -160,13 +161,6 @@ class PipelinePolicy:
             p.check()
 
     # --- one decision ----------------------------------------------------------------------
-    async def _post(self, url: str, body: dict) -> dict:
-        async with self.session.post(url, json=body) as response:
-            answer = await response.json()
-            if response.status != 200:
-                raise RuntimeError(f"{self.name}: {url} answered {response.status}: {answer}")
-            return answer
-
     async def _release_due(self, now: float) -> None:
         due: dict[str, str] = {}
         while self._releases and self._releases[0].at <= now:
@@ -174,9 +168,13 @@ class PipelinePolicy:
             if due.get(r.request_id) != "complete":  # completion gives back everything, first token included
                 due[r.request_id] = r.stage
         if due:
-            await asyncio.gather(*(self._post(self.routers[0] + "/v1/release",
-                                              {"model": self.model, "request_id": request_id, "stage": stage})
-                                   for request_id, stage in due.items()))
+            statuses = await asyncio.gather(*(clients.release(self.session, self.routers[0], self.model, request_id,
+                                                              ReleaseStage(stage))
+                                              for request_id, stage in due.items()))
+            for (request_id, stage), status in zip(due.items(), statuses):
+                if status != 200:
+                    raise RuntimeError(f"{self.name}: {self.routers[0]}/v1/release of {request_id} ({stage}) "
+                                       f"answered {status}")
 
     async def _publish_and_catch_up(self, cluster: SimCluster, now: float) -> None:
         for rank, publisher in enumerate(self.publishers):
@@ -202,14 +200,16 @@ class PipelinePolicy:
                      tokens: list[int] | None = None) -> Decision:
         await self._release_due(now)
         await self._publish_and_catch_up(cluster, now)
-        body = {"model": self.model, "token_ids": tokens, "request_id": f"req-{request.index}",
-                "max_new_tokens": request.output_tokens}
-        if self.overrides:
-            body["overrides"] = self.overrides
-        answer = await self._post(self.routers[request.index % len(self.routers)] + "/v1/route", body)
-        seen = [CandidateView(rank_of(c["worker_id"]), TierOverlap(**c["overlap"]), c["prefill_load"],
-                              c["decode_load"], c["logit"]) for c in answer["candidates"]]
-        return Decision(rank_of(answer["worker_id"]), seen, list(answer.get("degraded") or []))
+        if tokens is None:
+            raise ValueError(f"{self.name}: a pipeline policy routes by the request's tokens (needs_tokens)")
+        body = RouteRequest(model=self.model, token_ids=tokens, request_id=f"req-{request.index}",
+                            max_new_tokens=request.output_tokens,
+                            overrides=RouteOverrides(**self.overrides) if self.overrides else None)
+        router = self.routers[request.index % len(self.routers)]
+        answer = await clients.route(self.session, router, body, f"{self.name}: {router}/v1/route answered")
+        seen = [CandidateView(rank_of(c.worker_id), c.overlap, c.prefill_load, c.decode_load, c.logit)
+                for c in answer.candidates]
+        return Decision(rank_of(answer.worker_id), seen, list(answer.degraded))
 
     def served(self, request: PreparedRequest, decision: Decision, result, now: float) -> None:
         request_id = f"req-{request.index}"

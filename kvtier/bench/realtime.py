@@ -16,11 +16,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.bench import clients
 from kvtier.bench.policies import DEVICE_ONLY
 from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.bench.trace import TraceRequest, trace_tokens
 from kvtier.producers.cost_model import COST_FLAGS
 from kvtier.producers.sim_cluster import ClusterShape
+from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
+from kvtier.schemas.sglang_server import GenerateMetaInfo, SamplingParams
+from kvtier.schemas.sim import SimGenerateBody
 
 ROUTED = {"least_load", "device_only", "tier_aware", "tier_aware_shared"}
 
@@ -75,6 +79,28 @@ class PolicyResult:
                 min(len(self.ttft_in_order_s) - 1, int(0.99 * len(self.ttft_in_order_s)))] * 1000, 1)
             if self.ttft_in_order_s else None,
         }
+
+
+@dataclass(frozen=True)
+class SimServed:
+    """What a sim-worker's `meta_info` says of one request (it sends every field)."""
+
+    prompt_tokens: int
+    recomputed_tokens: int
+    hit_tokens: dict[str, int]
+    ttft_s: float
+    e2e_latency: float
+    arrived_behind_s: float
+
+    @classmethod
+    def of(cls, meta: GenerateMetaInfo) -> SimServed:
+        details = meta.cached_tokens_details
+        if (meta.prompt_tokens is None or meta.recomputed_tokens is None or meta.ttft_s is None
+                or meta.e2e_latency is None or meta.arrived_behind_s is None or details is None):
+            raise RuntimeError(f"not a kvtier sim-worker's meta_info: {meta}")
+        return cls(meta.prompt_tokens, meta.recomputed_tokens,
+                   {"device": details.device or 0, "host": details.host or 0, "l3": details.l3 or 0},
+                   meta.ttft_s, meta.e2e_latency, meta.arrived_behind_s)
 
 
 async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterShape, time_scale: float,
@@ -163,18 +189,15 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
         # device->host copies complete in simulated time even while no request arrives
         while not stop_ticker.is_set():
             try:
-                async with session.post(sim_url + "/advance", json={"now": sim_now()}) as r:
-                    await r.read()
+                await clients.advance(session, sim_url, sim_now())
             except Exception:  # noqa: BLE001 - best effort; the next request advances too
                 pass
             await asyncio.sleep(0.02)
 
-    async def release_later(router: str, request_id: str, stage: str, delay_sim_s: float):
+    async def release_later(router: str, request_id: str, stage: ReleaseStage, delay_sim_s: float):
         await asyncio.sleep(delay_sim_s / time_scale)
         try:
-            async with session.post(router + "/v1/release", json={"model": f"replay-{policy}", "request_id": request_id,
-                                                                   "stage": stage}) as r:
-                await r.read()
+            await clients.release(session, router, f"replay-{policy}", request_id, stage)
         except Exception:  # noqa: BLE001 - a lost release expires with its booking
             pass
 
@@ -190,41 +213,37 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
             rank = index % shape.workers
         else:
             router = routers[index % len(routers)]
-            body = {"model": f"replay-{policy}", "token_ids": tokens, "request_id": request_id,
-                    "max_new_tokens": request.output_length}
-            if policy == "device_only":
-                body["overrides"] = DEVICE_ONLY
-            async with session.post(router + "/v1/route", json=body) as r:
-                decision = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"{policy}: route failed ({r.status}): {decision}")
-            if decision.get("degraded"):
+            body = RouteRequest(model=f"replay-{policy}", token_ids=tokens, request_id=request_id,
+                                max_new_tokens=request.output_length,
+                                overrides=RouteOverrides(**DEVICE_ONLY) if policy == "device_only" else None)
+            decision = await clients.route(session, router, body, f"{policy}: route failed")
+            if decision.degraded:
                 result.degraded += 1
-            rank = int(decision["worker_id"].rsplit("-dp", 1)[1])
+            rank = int(decision.worker_id.rsplit("-dp", 1)[1])
         result.route_s.append(time.perf_counter() - started)
         result.late_s.append(max(0.0, sim_now() - arrival))
-        async with session.post(f"{sim_url}/w/{rank}/generate",
-                                json={"input_ids": tokens, "now": arrival,
-                                      "sampling_params": {"max_new_tokens": request.output_length}}) as r:
-            served = await r.json()
-            if r.status != 200:
-                raise RuntimeError(f"{policy}: sim-worker refused a request ({r.status}): {served}")
-        meta = served["meta_info"]
+        meta = await clients.generate(
+            session, f"{sim_url}/w/{rank}",
+            SimGenerateBody(input_ids=tokens, now=arrival,
+                            sampling_params=SamplingParams(max_new_tokens=request.output_length)),
+            f"{policy}: sim-worker refused a request")
+        served = SimServed.of(meta)
         result.requests += 1
-        result.prompt_tokens += meta["prompt_tokens"]
-        result.recomputed_tokens += meta["recomputed_tokens"]
-        for tier in ("device", "host", "l3"):
-            result.hit_tokens[tier] += meta["cached_tokens_details"][tier]
-        result.ttft_s.append(meta["ttft_s"])
-        if meta["arrived_behind_s"] > 0:  # the engine had served a later arrival already
+        result.prompt_tokens += served.prompt_tokens
+        result.recomputed_tokens += served.recomputed_tokens
+        for tier, tokens_hit in served.hit_tokens.items():
+            result.hit_tokens[tier] += tokens_hit
+        result.ttft_s.append(served.ttft_s)
+        if served.arrived_behind_s > 0:  # the engine had served a later arrival already
             result.out_of_order += 1
         else:
-            result.ttft_in_order_s.append(meta["ttft_s"])
+            result.ttft_in_order_s.append(served.ttft_s)
         result.per_worker[rank] = result.per_worker.get(rank, 0) + 1
         if router is not None:
-            ttft = meta["ttft_s"]
-            pending.add(asyncio.ensure_future(release_later(router, request_id, "first_token", ttft)))
-            pending.add(asyncio.ensure_future(release_later(router, request_id, "complete", meta["e2e_latency"])))
+            pending.add(asyncio.ensure_future(release_later(router, request_id, ReleaseStage.FIRST_TOKEN,
+                                                            served.ttft_s)))
+            pending.add(asyncio.ensure_future(release_later(router, request_id, ReleaseStage.COMPLETE,
+                                                            served.e2e_latency)))
         done += 1
         if progress:
             progress(policy, done, len(requests))

@@ -26,8 +26,10 @@ import statistics
 import sys
 import time
 
+import msgspec
 import redis
 
+from kvtier.bench import clients
 from kvtier.consumers.apply import TierStateWriter
 from kvtier.harness.embedded import RedisServer
 from kvtier.schemas.events import BridgeCursor, EventBatch, PagesStored, WorkerAnnounce
@@ -270,7 +272,8 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
         async def load():
             import aiohttp
 
-            bodies = [json.dumps({"model": MODEL, "token_ids": state.conversations[c], "request_id": f"h-{i}"})
+            bodies = [msgspec.json.encode(RouteRequest(model=MODEL, token_ids=state.conversations[c],
+                                                       request_id=f"h-{i}"))
                       for i, c in enumerate(requests)]
             queue = list(enumerate(bodies))
             latencies: list[float] = []
@@ -279,12 +282,11 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
                     while queue:
                         i, body = queue.pop()
                         t0 = time.perf_counter()
-                        async with s.post("/v1/route", data=body, headers={"Content-Type": "application/json"}) as r:
+                        async with s.post("/v1/route", data=body, headers=clients.JSON_HEADERS) as r:
                             assert r.status == 200, await r.text()
                             await r.read()
                         latencies.append(time.perf_counter() - t0)
-                        async with s.post("/v1/release", json={"model": MODEL, "request_id": f"h-{i}"}) as r:
-                            await r.read()
+                        await clients.release(s, "", MODEL, f"h-{i}")  # the session's base URL
 
                 start = time.perf_counter()
                 await asyncio.gather(*(loop() for _ in range(args.http_concurrency)))

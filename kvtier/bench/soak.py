@@ -49,8 +49,12 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
+from kvtier.bench import clients
 from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.bench.trace import SAMPLE_TRACE, TraceRequest, load_trace
+from kvtier.schemas.jetstream import Jsz, StreamState, decode_jsz
+from kvtier.schemas.routing import ReleaseStage, RouteRequest
+from kvtier.schemas.sim import SimGenerateBody
 
 MODEL = "soak"
 TRACE_BLOCK_TOKENS = 512
@@ -203,24 +207,27 @@ def _parse_ts(text: str | None) -> float | None:
     head, _, frac = text.rstrip("Z").partition(".")
     try:
         base = datetime.fromisoformat(head + "+00:00").timestamp()
-    except ValueError:
+        return base + (float("0." + frac.split("+")[0].split("-")[0]) if frac else 0.0)
+    except (ValueError, OverflowError):
         return None
-    return base + (float("0." + frac.split("+")[0].split("-")[0]) if frac else 0.0)
 
 
 def jetstream_streams(monitor_port: int) -> dict[str, dict]:
     """name -> {bytes, messages, age_s} from nats-server's /jsz."""
     url = f"http://127.0.0.1:{monitor_port}/jsz?streams=true"
     with urllib.request.urlopen(url, timeout=2) as response:
-        data = json.load(response)
+        return streams_of(decode_jsz(response.read()), time.time())
+
+
+def streams_of(jsz: Jsz, now: float) -> dict[str, dict]:
+    """name -> {bytes, messages, age_s} (seconds since the oldest message, at `now`)."""
     out = {}
-    now = time.time()
-    for account in data.get("account_details") or []:
-        for stream in account.get("stream_detail") or []:
-            state = stream.get("state") or {}
-            first = _parse_ts(state.get("first_ts"))
-            out[stream["name"]] = {"bytes": state.get("bytes", 0), "messages": state.get("messages", 0),
-                                   "age_s": round(now - first, 1) if first and state.get("messages") else 0.0}
+    for account in jsz.account_details or []:
+        for stream in account.stream_detail or []:
+            state = stream.state or StreamState()
+            first = _parse_ts(state.first_ts)
+            out[stream.name] = {"bytes": state.bytes, "messages": state.messages,
+                                "age_s": round(now - first, 1) if first and state.messages else 0.0}
     return out
 
 
@@ -802,14 +809,11 @@ class Soak:
         request_id = f"soak-{index}"
         sim, booked = None, False
         try:
-            async with session.post(router + "/v1/route", json={
-                    "model": MODEL, "token_ids": tokens, "request_id": request_id, "max_new_tokens": out_len}) as r:
-                decision = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"route {r.status}: {decision}")
+            decision = await clients.route(session, router, RouteRequest(
+                model=MODEL, token_ids=tokens, request_id=request_id, max_new_tokens=out_len))
             stats.decisions_since += 1
             booked = True
-            sim, rank = self._sim_of(decision["worker_id"])
+            sim, rank = self._sim_of(decision.worker_id)
             if not sim["alive"]:
                 stats.routed_to_dead += 1
                 if self.kill_t is not None and self.now() > self.kill_t + cfg.lease_ttl_s + 3:
@@ -817,14 +821,9 @@ class Soak:
                 stats.requests += 1
                 await self._release_later(router, request_id, 0)
                 return
-            async with session.post(f"{sim['url']}/w/{rank}/generate",
-                                    json={"input_ids": tokens, "now": self.sim_now()}) as r:
-                served = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"generate {r.status}: {served}")
-            async with session.post(router + "/v1/release", json={
-                    "model": MODEL, "request_id": request_id, "stage": "first_token"}) as r:
-                await r.read()
+            await clients.generate(session, f"{sim['url']}/w/{rank}",
+                                   SimGenerateBody(input_ids=tokens, now=self.sim_now()))
+            await clients.release(session, router, MODEL, request_id, ReleaseStage.FIRST_TOKEN)
             stats.requests += 1
             hold = min(out_len * cfg.decode_ms_per_token / 1000, cfg.max_hold_s)
             task = asyncio.ensure_future(self._release_later(router, request_id, hold))
@@ -843,9 +842,7 @@ class Soak:
         try:
             if delay > 0:
                 await asyncio.sleep(delay)
-            async with self.session.post(router + "/v1/release", json={
-                    "model": MODEL, "request_id": request_id, "stage": "complete"}) as r:
-                await r.read()
+            await clients.release(self.session, router, MODEL, request_id, ReleaseStage.COMPLETE)
         except Exception as exc:  # noqa: BLE001 - counted; the booking would expire
             self._error(f"release: {exc!r}")
 
@@ -877,8 +874,7 @@ class Soak:
             for sim in self.sims:
                 if sim["alive"]:
                     try:
-                        async with self.session.post(sim["url"] + "/advance", json={"now": self.sim_now()}) as r:
-                            await r.read()
+                        await clients.advance(self.session, sim["url"], self.sim_now())
                     except Exception:  # noqa: BLE001 - best effort
                         pass
             await asyncio.sleep(0.1)
@@ -1013,19 +1009,14 @@ class Soak:
         for i in range(2 * len(self.routers)):
             router = self.routers[i % len(self.routers)]
             tokens = [60_000 + i] * self.cfg.page_size
-            async with session.post(router + "/v1/route", json={"model": MODEL, "token_ids": tokens,
-                                                                 "request_id": f"warm-{i}"}) as r:
-                decision = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"warm-up route failed ({r.status}): {decision}")
-            sim, rank = self._sim_of(decision["worker_id"])
-            async with session.post(f"{sim['url']}/w/{rank}/generate",
-                                    json={"input_ids": tokens, "now": self.sim_now()}) as r:
-                await r.read()
-            for stage in ("first_token", "complete"):
-                async with session.post(router + "/v1/release", json={"model": MODEL, "request_id": f"warm-{i}",
-                                                                       "stage": stage}) as r:
-                    await r.read()
+            decision = await clients.route(session, router, RouteRequest(model=MODEL, token_ids=tokens,
+                                                                          request_id=f"warm-{i}"),
+                                           "warm-up route failed")
+            sim, rank = self._sim_of(decision.worker_id)
+            await clients.post(session, f"{sim['url']}/w/{rank}/generate",
+                               SimGenerateBody(input_ids=tokens, now=self.sim_now()))
+            for stage in (ReleaseStage.FIRST_TOKEN, ReleaseStage.COMPLETE):
+                await clients.release(session, router, MODEL, f"warm-{i}", stage)
         # A worker that announces itself once with a short lease: the processor's expiry
         # script runs for the first time now rather than when the die phase is measured
         # (a script's first run costs Redis ~90 KB, once).

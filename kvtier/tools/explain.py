@@ -35,7 +35,7 @@ from kvtier.router.core import DEGRADED_ONLY_STALE, DEGRADED_STATE_STORE
 from kvtier.router.hashing import RequestPages
 from kvtier.router.state import OverlapReader, WorkerStatus
 from kvtier.schemas.hashes import PageDigest, page_keys_blob
-from kvtier.schemas.routing import RouteDecision, TierOverlap
+from kvtier.schemas.routing import RouteDecision, TierOverlap, decision_request_id, decode_decision
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import DECISIONS_PREFIX, DECISIONS_STREAM, decisions_subject
 from kvtier.tools.replay import (
@@ -51,14 +51,6 @@ from kvtier.tools.replay import (
 
 TIERS = ("device", "host", "disk", "predicted")
 _EPS = 1e-9
-
-
-class _RequestIdOnly(msgspec.Struct):
-    request_id: str = ""
-
-
-_rid_decoder = msgspec.msgpack.Decoder(_RequestIdOnly)
-_decision_decoder = msgspec.msgpack.Decoder(RouteDecision)
 
 
 @dataclass
@@ -90,7 +82,7 @@ async def find_decision(nc, request_id: str, model: str | None = None) -> Found:
         found.searched += len(chunk)
         for msg in chunk:
             try:
-                rid = _rid_decoder.decode(msg.data).request_id
+                rid = decision_request_id(msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if rid == request_id:
@@ -101,7 +93,7 @@ async def find_decision(nc, request_id: str, model: str | None = None) -> Found:
     # newest first: the decisions one explains are usually recent
     await read_backward(nc, DECISIONS_STREAM, subject, first, last, look)
     if hit is not None:
-        found.decision, found.seq, found.stored = _decision_decoder.decode(hit.data), hit.seq, hit.time
+        found.decision, found.seq, found.stored = decode_decision(hit.data), hit.seq, hit.time
     return found
 
 

@@ -41,7 +41,7 @@ import msgspec
 from kvtier.plumbing.connections import redact, redis_client
 from kvtier.schemas.events import AllCleared, EventBatch, PagesStored, WorkerAnnounce, WorkerExpired, decode_message
 from kvtier.schemas.hashes import BlockHash, page_key, sglang_block_hashes
-from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
+from kvtier.schemas.sglang_server import GenerateBody, GenerateMetaInfo, SamplingParams, decode_generate_meta_info
 from kvtier.schemas.state_keys import ModelKeys, as_text, page_member
 from kvtier.schemas.subjects import EVENTS_STREAM, stored_events_subject_pattern
 from kvtier.schemas.tiers import Tier
@@ -454,11 +454,14 @@ class Probe:
     async def _generate(self, session, tokens: list[int]) -> tuple[GenerateMetaInfo, float]:
         import aiohttp
 
-        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+        body = msgspec.json.encode(GenerateBody(input_ids=tokens,
+                                                sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0)))
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
         started = time.perf_counter()
         try:
-            async with session.post(self.url + "/generate", json=body, headers=headers) as response:
+            async with session.post(self.url + "/generate", data=body, headers=headers) as response:
                 raw = await response.read()
                 elapsed = time.perf_counter() - started
                 if response.status != 200:

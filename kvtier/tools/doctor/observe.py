@@ -25,7 +25,7 @@ from kvtier.schemas.subjects import (
     EVENTS_STREAM,
     subject_token,
 )
-from kvtier.schemas.worker import WorkerMetadata
+from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
 
 from .judge import message_ahead_of, shorten
 from .views import (
@@ -104,7 +104,7 @@ def _worker_record(row: dict, tiers_seen, raw_meta, page_size, raw_check) -> Wor
     meta, hicache, size = None, False, None
     if raw_meta:
         try:
-            meta = msgspec.json.decode(raw_meta, type=WorkerMetadata)
+            meta = decode_worker_metadata(raw_meta)
             hicache = _hicache_on(meta)
             size = meta.page_size
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -1,0 +1,62 @@
+"""How a bench talks to the kvtier processes it starts (routers, sim-workers): every body it
+sends is encoded from a schemas/ type, every answer it reads is decoded into one."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvtier.schemas.routing import (
+    ReleaseRequest,
+    ReleaseStage,
+    RouteRequest,
+    RouteResponse,
+    decode_route_response,
+)
+from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
+from kvtier.schemas.sim import AdvanceBody, SimGenerateBody
+
+_json = msgspec.json.Encoder()
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class Refused(RuntimeError):
+    """A process answered other than 200: `what (status): its body`."""
+
+    def __init__(self, what: str, status: int, body: bytes):
+        super().__init__(f"{what} ({status}): {body[:500].decode(errors='replace')}")
+        self.status = status
+
+
+async def post(session, url: str, body: msgspec.Struct) -> tuple[int, bytes]:
+    """POST `body` as JSON (an aiohttp session); the answer's status and bytes."""
+    async with session.post(url, data=_json.encode(body), headers=JSON_HEADERS) as response:
+        return response.status, await response.read()
+
+
+async def route(session, router: str, request: RouteRequest, what: str = "route") -> RouteResponse:
+    """`POST /v1/route`; Refused unless the router answers 200."""
+    status, raw = await post(session, router + "/v1/route", request)
+    if status != 200:
+        raise Refused(what, status, raw)
+    return decode_route_response(raw)
+
+
+async def release(session, router: str, model: str, request_id: str,
+                  stage: ReleaseStage = ReleaseStage.COMPLETE) -> int:
+    """`POST /v1/release`; the status (404: nothing booked under that id)."""
+    status, _ = await post(session, router + "/v1/release", ReleaseRequest(model=model, request_id=request_id,
+                                                                           stage=stage))
+    return status
+
+
+async def generate(session, rank_url: str, body: SimGenerateBody, what: str = "generate") -> GenerateMetaInfo:
+    """`POST <sim-worker>/w/<rank>/generate`: the rank's `meta_info`; Refused unless 200."""
+    status, raw = await post(session, rank_url + "/generate", body)
+    if status != 200:
+        raise Refused(what, status, raw)
+    return decode_generate_meta_info(raw)
+
+
+async def advance(session, sim_url: str, now: float) -> None:
+    """`POST <sim-worker>/advance`: the simulated clock moves to `now`."""
+    await post(session, sim_url + "/advance", AdvanceBody(now=now))
