@@ -125,9 +125,7 @@ class SourceSequencer:
             return self.ACCEPT
         if seq > self.expected:
             return self.GAP
-        if seq in self._recent and same_ts(self._recent[seq], ts):
-            return self.DUPLICATE
-        return self.RESTART
+        return self.DUPLICATE if self.seen(seq, ts) else self.RESTART
 
     def accepted(self, seq: int, ts: float | None) -> None:
         self.expected = seq + 1
