@@ -1,11 +1,12 @@
 -- Apply one kvtier EventBatch to a worker's tier state, atomically, in seq order.
 -- KEYS: 1 state hash, 2 workers set, 3 the worker's pages set, 4 the model's stale-workers set,
 --       5 the model's incarnation marker (refused, status 4, unless its 'ready' is '1'),
---       6 the model's partial-workers set, 7 the model's leases zset
+--       6 the model's partial-workers set, 7 the model's leases zset, 8 the model's change
+--       feed stream, 9 its change counter (changes.lua)
 -- ARGV: 1 source seq (the engine seq of the batch's last engine batch; -1 unknown), 2 worker,
 --       3 epoch, 4 seq, 5 mode ("next"|"rebase"), 6 epoch reason ("" when none), 7 now (unix ms),
 --       8 source ts (unix s), 9 "1" when the epoch begins at the engine's first batch (its whole
---       history is in the stream), 10.. ops as triples: kind ("S" store | "R" remove | "C"
+--       history is in the stream), 10 the change feed's length (entries kept), 11.. ops as triples: kind ("S" store | "R" remove | "C"
 --       clear), tier bit, page-key blob (16 hex digits per page, concatenated).
 -- Returns {status, epoch, seq, transitions, stale, rebased}; status 0 applied, 1 duplicate (seq
 -- already applied), 2 ahead (a gap: earlier seq missing), 3 old epoch (superseded),
@@ -21,6 +22,7 @@
 -- not prove, an unrecoverable gap, a resync) holds only what the engine's replay buffer still
 -- had. The worker stays routed to, marked partial, until the engine has reported a flush or
 -- removed as many device pages as it holds (a full turnover of its device cache).
+-- The feed: every clear and op this call applied, in order, as one entry (changes.lua).
 local state, workers, pages_key, stale_set, partial_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]
 local worker = ARGV[2]
 local epoch, seq, mode = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
@@ -29,7 +31,10 @@ local CHUNK = 1000
 
 if redis.call('HGET', KEYS[5], 'ready') ~= '1' then return {4, 0, 0, 0, 0, 0} end
 
+local feed = {}  -- what this call changes, for the change feed
+
 local function clear_worker()
+  feed[#feed + 1] = 'C'
   redis.call('UNLINK', pages_key)
   redis.call('HDEL', state, 'n1', 'n2', 'n4', 'n8')
 end
@@ -77,7 +82,7 @@ local stored_bits = 0  -- OR of the tiers stored in this batch, for 'tiers_seen'
 local count_delta = {}  -- tier bit -> change in its page count, written once per batch
 local flushed = false  -- the engine cleared its whole cache: nothing unreported is left
 local device_removed = 0
-local i = 10
+local i = 11
 while i <= #ARGV do
   local kind, tbit, blob = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
@@ -87,6 +92,7 @@ while i <= #ARGV do
     flushed = true
   else
     local command = kind == 'S' and 'SADD' or 'SREM'
+    feed[#feed + 1] = kind .. tbit .. blob
     if kind == 'S' then stored_bits = bit.bor(stored_bits, tonumber(tbit)) end
     local n = #blob / 16
     transitions = transitions + n
@@ -126,6 +132,7 @@ if partial then
     redis.call('HSET', state, 'partial_removed', removed, 'partial_need', need)
   end
 end
+if #feed > 0 then record_change(KEYS[8], KEYS[9], ARGV[10], worker, table.concat(feed, ',')) end
 redis.call('HSET', state, 'epoch', epoch, 'seq', seq, 'applied_ms', now, 'source_ts', ARGV[8], 'source_seq', ARGV[1])
 redis.call('PERSIST', state)
 redis.call('SADD', workers, worker)

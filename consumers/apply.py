@@ -68,9 +68,15 @@ class ApplyResult:
     rebased: bool = False  # this call cleared the worker and marked it stale (a gap given up on)
 
 
-_APPLY_LUA = load_lua("kvtier.consumers", "apply.lua")
-_EXPIRE_LUA = load_lua("kvtier.consumers", "expire.lua")
-_FORGET_LUA = load_lua("kvtier.consumers", "forget.lua")
+#: Every script that changes a pages set appends to the change feed with changes.lua's function.
+_CHANGES_LUA = load_lua("kvtier.consumers", "changes.lua")
+_APPLY_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "apply.lua")
+_EXPIRE_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "expire.lua")
+_FORGET_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "forget.lua")
+_DROP_PAGES_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "drop_pages.lua")
+#: Entries each model's change feed keeps by default: at 128-page batches, ~60 s of a
+#: 100k-transitions/s model, ~1-2 KB each (`kvtier processor --changes-maxlen`).
+DEFAULT_CHANGES_MAXLEN = 50_000
 _CLAIM_LUA = load_lua("kvtier.consumers", "claim_rebuild.lua")
 _ADOPT_LUA = load_lua("kvtier.consumers", "adopt_model.lua")
 _ANNOUNCE_LUA = load_lua("kvtier.consumers", "announce.lua")
@@ -94,15 +100,20 @@ class TierStateWriter:
     """Writes tier state. `apply_many_async` is the same apply through an asyncio client, so
     a processor can decode the next messages while Redis applies these."""
 
-    def __init__(self, client: redis.Redis, async_client=None, root: str = DEFAULT_ROOT, guarded: bool = False):
+    def __init__(self, client: redis.Redis, async_client=None, root: str = DEFAULT_ROOT, guarded: bool = False,
+                 changes_maxlen: int = DEFAULT_CHANGES_MAXLEN):
         """`root`: the key root written under ("kvt", live state; `kvtier replay` passes a
         scratch namespace). `guarded` (the processor): never create a model's incarnation
         marker on the way; a batch for a model without a ready marker is refused
         (`NOT_READY`) and the processor rebuilds it. Unguarded writers (replay, tests,
         benches) build a state from scratch, so they create the marker when they first
-        write a model."""
+        write a model. `changes_maxlen`: entries each model's change feed keeps (at least;
+        trimmed approximately): a router index further behind than that bootstraps again."""
+        if changes_maxlen < 1:
+            raise ValueError(f"changes_maxlen must be at least 1, got {changes_maxlen}")
         self.client = client
         self.root = root
+        self.changes_maxlen = changes_maxlen
         self.guarded = guarded
         self.models_key = models_key(root)
         self._apply = client.register_script(_APPLY_LUA)
@@ -142,10 +153,10 @@ class TierStateWriter:
         keys = ModelKeys.for_model(batch.model, self.root)
         return (
             [keys.state(batch.worker_id), keys.workers, keys.pages(batch.worker_id), keys.stale_workers,
-             keys.incarnation, keys.partial_workers, keys.leases],
+             keys.incarnation, keys.partial_workers, keys.leases, keys.changes, keys.changes_counter],
             [batch.source_seq_last, batch.worker_id, batch.epoch, batch.seq, mode.value,
              batch.epoch_reason.value if batch.epoch_reason else "", now_ms, repr(batch.source_ts),
-             "1" if batch.epoch_from_start else "0", *_script_ops(batch)],
+             "1" if batch.epoch_from_start else "0", self.changes_maxlen, *_script_ops(batch)],
         )
 
     def apply(self, batch: EventBatch, mode: ApplyMode = ApplyMode.NEXT) -> ApplyResult:
@@ -217,8 +228,9 @@ class TierStateWriter:
                 worker_id = as_text(worker)
                 if int(self._forget(keys=[keys.state(worker_id), keys.leases, keys.workers, keys.stale_workers,
                                           keys.partial_workers, keys.page_sizes, keys.hash_check,
-                                          keys.meta(worker_id), keys.pages(worker_id), keys.predicted(worker_id)],
-                                    args=[worker_id, before_ms])):
+                                          keys.meta(worker_id), keys.pages(worker_id), keys.predicted(worker_id),
+                                          keys.changes, keys.changes_counter],
+                                    args=[worker_id, before_ms, self.changes_maxlen])):
                     forgotten.append((keys.model_token, worker_id))
         return forgotten
 
@@ -284,8 +296,8 @@ class TierStateWriter:
     def _expire_one(self, keys: ModelKeys, worker_id: str, now_ms: int, lease_ms: int | None = None) -> int:
         return int(self._expire(
             keys=[keys.state(worker_id), keys.leases, keys.pages(worker_id), keys.stale_workers,
-                  keys.predicted(worker_id)],
-            args=[worker_id, now_ms, "" if lease_ms is None else lease_ms]))
+                  keys.predicted(worker_id), keys.changes, keys.changes_counter],
+            args=[worker_id, now_ms, "" if lease_ms is None else lease_ms, self.changes_maxlen]))
 
     # --- the incarnation marker and rebuilds after a loss (processor) ---------------------
     def incarnation(self, token: str) -> dict[str, str]:
@@ -334,8 +346,9 @@ class TierStateWriter:
                 pipe.hset(keys.rebuild, plan.worker_id, f"{plan.epoch}:{plan.last_seq}")
                 continue
             reason = "lease_expired" if not plan.live else "history_truncated"
-            pipe.unlink(keys.pages(plan.worker_id))
-            pipe.hdel(state, "n1", "n2", "n4", "n8")
+            # EVAL, not EVALSHA: a transaction cannot load a missing script, nor can cluster pipelines.
+            pipe.execute_command("EVAL", _DROP_PAGES_LUA, 4, keys.pages(plan.worker_id), state, keys.changes,
+                                 keys.changes_counter, plan.worker_id, self.changes_maxlen)
             seq = plan.before_seq if plan.live else plan.last_seq
             pipe.hset(state, mapping={"epoch": plan.epoch, "seq": seq, "stale": 1,
                                       "stale_reason": reason, "stale_since_ms": now})

@@ -41,7 +41,7 @@ import redis.asyncio
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
-from kvtier.consumers.apply import ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter
+from kvtier.consumers.apply import DEFAULT_CHANGES_MAXLEN, ApplyMode, ApplyStatus, RebuildPlan, TierStateWriter
 from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
 from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import PullStream, consume
@@ -164,6 +164,8 @@ class ProcessorConfig:
     rebuild_scan_timeout_s: float = 10.0
     #: A worker whose last message is older than this (when it announced no lease) counts as dead.
     default_lease_s: float = 10.0
+    #: Entries each model's change feed keeps (routers' indexes follow it; apply.py).
+    changes_maxlen: int = DEFAULT_CHANGES_MAXLEN
 
 
 class Processor:
@@ -171,7 +173,8 @@ class Processor:
         self.cfg = config
         self.redis = redis_client(config.redis_url, socket_timeout=10, health_check_interval=5)
         self.redis_async = redis_async_client(config.redis_url, socket_timeout=10, health_check_interval=5)
-        self.writer = TierStateWriter(self.redis, self.redis_async, guarded=True)
+        self.writer = TierStateWriter(self.redis, self.redis_async, guarded=True,
+                                      changes_maxlen=config.changes_maxlen)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         #: Model tokens seen in messages: probed for their incarnation marker even after the
         #: state store lost `kvt:models`.

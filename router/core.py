@@ -47,6 +47,7 @@ from . import scoring
 from .booking import AlreadyBooked, LoadBook
 from .hashing import RequestPages
 from .metrics import RouterMetrics
+from .mirror import MirroredOverlapReader, TierMirror
 from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
 from .state import (
     ModelDirectory,
@@ -103,6 +104,17 @@ class RouterSettings:
     #: Book each request's pages as predicted device pages on its worker until it completes
     #: (--predicted-pages), credited at `predicted_page_weight`.
     predicted_pages: bool = False
+    #: Where decisions read tier overlaps (--state-source): "mirror", an in-memory index per
+    #: model following the change feed (router/mirror.py), or "redis", the Lua walk in Redis
+    #: for every decision. Predicted pages live in Redis only: with them on, the walk is used.
+    state_source: str = "mirror"
+    #: How long the index's XREAD waits for new feed entries (ms); below the client's socket
+    #: timeout, so a quiet feed is not a failed read.
+    index_block_ms: int = 100
+
+    @property
+    def reads_index(self) -> bool:
+        return self.state_source == "mirror" and not self.predicted_pages
 
 
 @dataclass(frozen=True)
@@ -156,7 +168,11 @@ class Router:
         self.metrics = metrics
         self.redis = redis_client
         self.directory = WorkerDirectory(redis_client)
-        self.reader = OverlapReader(redis_client)
+        self.mirror: TierMirror | None = None
+        self.reader: OverlapReader | MirroredOverlapReader = OverlapReader(redis_client)
+        if settings.reads_index:
+            self.mirror = TierMirror(redis_client, metrics, block_ms=settings.index_block_ms)
+            self.reader = MirroredOverlapReader(redis_client, self.mirror, self.reader)
         self.book = LoadBook(redis_client, settings.booking_ttl_s)
         self.shared_pool = shared_pool
         self.decision_log = decision_log
@@ -255,6 +271,8 @@ class Router:
 
         fresh = [v for v in views if v.status is WorkerStatus.CANDIDATE]
         degraded: list[str] = []
+        if views.degraded:
+            degraded.append(views.degraded)
         if shared_error:
             degraded.append(DEGRADED_SHARED_POOL)
         if getattr(views, "rebuilding", False):
@@ -428,6 +446,21 @@ class Router:
         self.metrics.releases.labels(stage.value, str(released.found).lower()).inc()
         return ReleaseResponse(request_id=request_id, released=released.found, worker_id=released.worker_id,
                                prefill_pages=released.prefill_pages, decode_pages=released.decode_pages)
+
+    async def close(self) -> None:
+        """Stop the index followers (the Redis client is the caller's)."""
+        if self.mirror is not None:
+            await self.mirror.close()
+
+    async def start_indexes(self) -> None:
+        """Begin building the index of every model the store knows, before the first request."""
+        if self.mirror is None:
+            return
+        try:
+            for model in await self.directory.known_models():
+                self.mirror.model(model)
+        except Exception as exc:  # noqa: BLE001 - each index is built on first use instead
+            log.warning("could not list the store's models (%s); indexes are built on first use", exc)
 
     async def housekeeping(self) -> None:
         """Refresh the directories of models in use and give back expired bookings."""

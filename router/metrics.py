@@ -64,4 +64,17 @@ class RouterMetrics:
             "router_worker_hash_mismatch_pages",
             "Stored pages whose published hash is not SGLang's chain over their tokens (the router can never "
             "match them), per worker, as recorded by the processors", ["model", "worker"], registry=r)
+        self.index_entries = Gauge("router_index_entries",
+                                   "(page, tier) entries in this replica's in-memory tier index, per model",
+                                   ["model"], registry=r)
+        self.index_lag = Histogram("router_index_lag_seconds",
+                                   "From a change feed entry's append in Redis to its application to this "
+                                   "replica's index", buckets=_LATENCY_BUCKETS, registry=r)
+        self.index_bootstraps = Counter("router_index_bootstraps",
+                                        "Times this replica built a model's index from Redis, by reason (start, "
+                                        "gap: entries trimmed or lost, marker: the store's state was replaced, "
+                                        "malformed)", ["reason"], registry=r)
+        self.index_ready = Gauge("router_index_ready",
+                                 "1 while the model's index follows the feed (decisions read it), 0 while it "
+                                 "bootstraps (decisions walk in Redis)", ["model"], registry=r)
         self.state_store_up.set(1)

@@ -5,8 +5,9 @@
 -- ARGV: 1 key base "kvt:{m}", 2 now (unix ms), 3 first chunk size,
 --       4.. pairs: page size, page-key blob (16 hex digits per page, in request order)
 -- Returns a flat list: first 1 if the model's state is being rebuilt (marker missing, not
--- ready, or rebuilding: nothing is walked, every overlap is 0), else 0; then 9 fields per
--- live worker (lease expiry > now):
+-- ready, or rebuilding: nothing is walked, every overlap is 0), else 0; then the marker's id
+-- ("" when missing: an in-memory index built under another id is not this state's); then 9
+-- fields per live worker (lease expiry > now):
 --   worker, status (0 candidate | 1 stale | 2 no pages given at its page size),
 --   page size, device, host, disk, queued prefill pages, active decode pages, predicted
 -- The walk is docs/DESIGN.md's: the device prefix, then on host while the page is on host, then
@@ -15,6 +16,8 @@
 -- Predicted pages (a worker's ':predicted' hash: page key -> bookings not yet complete that
 -- will hold the page on its device) extend the device prefix: where a worker has any, its
 -- first stage walks pages that are on device or predicted, counting each where it is found.
+-- An empty page-key blob walks nothing: a router with an in-memory index (router/mirror.py)
+-- reads only who is live, stale, at which page size and how loaded, and walks in memory.
 local base, first_chunk = ARGV[1], tonumber(ARGV[3])
 local TAG = {'1', '2', '4'}  -- device, host, disk: the tier bits as pages-set tags
 
@@ -94,9 +97,9 @@ local function walk_predicted(set, predicted, req)
   return counts
 end
 
-local marker = redis.call('HMGET', KEYS[6], 'ready', 'rebuilding')
+local marker = redis.call('HMGET', KEYS[6], 'ready', 'rebuilding', 'id')
 local rebuilding = marker[1] ~= '1' or marker[2] == '1'
-local out = {rebuilding and 1 or 0}
+local out = {rebuilding and 1 or 0, marker[3] or ''}
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '+inf')
 if #live == 0 then return out end
 local prefill = redis.call('HMGET', KEYS[2], unpack(live))

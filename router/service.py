@@ -108,10 +108,12 @@ class RouterService:
 
     async def _on_startup(self, app) -> None:
         self._housekeeping = asyncio.create_task(self._housekeeping_loop(), name="router-housekeeping")
+        await self.router.start_indexes()
 
     async def _on_cleanup(self, app) -> None:
         if self._housekeeping is not None:
             self._housekeeping.cancel()
+        await self.router.close()
         if self._session is not None:
             await self._session.close()
 
@@ -225,6 +227,8 @@ class RouterService:
             decision_log=DecisionLogHealth(enabled=decision_log is not None,
                                            connected=bool(decision_log is not None and decision_log.connected)),
             models=sorted(router.models_seen),
+            state_source="mirror" if router.mirror is not None else "redis",
+            indexes=router.mirror.health() if router.mirror is not None else [],
         )
         return web.Response(body=_json.encode(body), content_type="application/json")
 
@@ -325,6 +329,7 @@ class RouterConfig:
     weights: ScoringWeights | None = None
     seed: int | None = None  # seeds the tie-breaking draws: the same calls give the same decisions
     predicted_pages: bool = False
+    state_source: str = "mirror"  # mirror | redis
     service: ServiceSettings = None  # type: ignore[assignment]
 
 
@@ -356,6 +361,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
     router = Router(client, RouterSettings(weights=weights, shared_cache=shared_pool is not None,
                                            router_page_size=config.page_size, booking_ttl_s=config.booking_ttl_s,
                                            router_id=config.router_id, predicted_pages=config.predicted_pages,
+                                           state_source=config.state_source,
                                            selection=config.router_mode if config.router_mode in SELECTIONS
                                            else "score"),
                     metrics, shared_pool=shared_pool, decision_log=decision_log,

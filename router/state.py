@@ -48,9 +48,14 @@ class WorkerView:
 class Views(list):
     """The live workers' views of one read; `rebuilding`: the model's state is being rebuilt
     after the state store lost it (its incarnation marker is missing or not ready, or the
-    stream is still being re-applied): no overlap was read, route on load only."""
+    stream is still being re-applied): no overlap was read, route on load only.
+    `marker_id`: the incarnation marker's id at the read ("" when missing). `degraded`: why
+    the overlaps came from the Redis walk although this replica reads an in-memory index
+    ("" when they did not, or when it does not)."""
 
     rebuilding: bool = False
+    marker_id: str = ""
+    degraded: str = ""
 
 
 class OverlapReader:
@@ -61,19 +66,22 @@ class OverlapReader:
         self._root = root
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],
-                   now_ms: int | None = None) -> Views:
+                   now_ms: int | None = None, walk: bool = True) -> Views:
+        """`walk=False`: who is live, stale, at which page size and how loaded, with every
+        overlap 0 (the in-memory index supplies them)."""
         keys = ModelKeys.for_model(model, self._root)
         args: list[str | int] = [keys.base, now_ms if now_ms is not None else int(time.time() * 1000), FIRST_CHUNK]
         for size, pages in pages_by_size.items():
-            args += (size, pages.keys_blob)
+            args += (size, pages.keys_blob if walk else "")
         flat = await self._script(keys=[keys.leases, keys.prefill_load, keys.decode_load, keys.stale_workers,
                                         keys.page_sizes, keys.incarnation], args=args)
         status_of = _STATUS_OF
         views = Views(WorkerView(worker.decode() if isinstance(worker, bytes) else worker, status_of[status], size,
                            TierOverlap(device=device, host=host, disk=disk, predicted=predicted), prefill, decode)
                 for worker, status, size, device, host, disk, prefill, decode, predicted
-                in (flat[i:i + 9] for i in range(1, len(flat), 9)))
+                in (flat[i:i + 9] for i in range(2, len(flat), 9)))
         views.rebuilding = bool(flat[0])
+        views.marker_id = as_text(flat[1])
         return views
 
 

@@ -57,6 +57,25 @@ class DecisionLogHealth(msgspec.Struct, frozen=True, kw_only=True):
     connected: bool = False
 
 
+class IndexHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's in-memory tier index in this replica (router/mirror.py)."""
+
+    model: str
+    #: Following the change feed: decisions read it. False while it bootstraps.
+    ready: bool = False
+    #: The feed entry applied last (stream id) and its change number `n`.
+    position: str = ""
+    change: int = 0
+    #: The incarnation marker the index was built under.
+    marker_id: str = ""
+    entries: int = 0
+    #: Seconds from the last applied entry's append to its application.
+    lag_seconds: float = 0.0
+    bootstraps: int = 0
+    last_bootstrap_reason: str = ""
+    last_bootstrap_seconds: float = 0.0
+
+
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: "ok", or "degraded" when the state store, the shared pool or a worker's hashes fail.
     status: str = ""
@@ -73,6 +92,10 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     decision_log: DecisionLogHealth = DecisionLogHealth()
     #: Models this replica has been asked to route (and knew).
     models: list[str] = []
+    #: Where decisions read tier overlaps: "mirror" (an in-memory index per model, following
+    #: the change feed) or "redis" (the Lua walk); "" from a router too old to say.
+    state_source: str = ""
+    indexes: list[IndexHealth] = []
 
 
 _decoder = msgspec.json.Decoder(RouterHealth)

@@ -30,6 +30,10 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
                                   apply.lua refuses batches, routers route on load only
   kvt:{m}:rebuild           hash  worker -> "epoch:seq" each worker must reach before the model
                                   counts as rebuilt (written by the processor that rebuilds)
+  kvt:{m}:changes           stream the change feed: one entry per write that changed pages sets
+                                  (fields n, w, o; schemas/changes.py), appended by the same
+                                  script as the write, trimmed by length (--changes-maxlen)
+  kvt:{m}:changes:n         str   the model's change counter (the last entry's n)
   kvt:store                 str   set by processors once every model in the stream is accounted
                                   for: while present, a model with no marker and no state is new
   kvt:models                set   model tokens (no tag: read once, outside any script)
@@ -138,6 +142,14 @@ class ModelKeys:
     @property
     def rebuild(self) -> str:
         return f"{self.base}:rebuild"
+
+    @property
+    def changes(self) -> str:
+        return f"{self.base}:changes"
+
+    @property
+    def changes_counter(self) -> str:
+        return f"{self.base}:changes:n"
 
     def pages(self, worker_id: str) -> str:
         return f"{self.base}:w:{worker_id}:pages"

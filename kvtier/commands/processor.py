@@ -49,6 +49,9 @@ def register(sub) -> None:
     p.add_argument("--hash-check-budget", type=non_negative_float, default=50_000.0,
                    help="Pages the hash check recomputes per second at most (0: no limit); pages over it are "
                         "counted as skipped, pages already verified (host copies, load_backs) are not recomputed.")
+    p.add_argument("--changes-maxlen", type=positive_int, default=50_000,
+                   help="Entries each model's change feed (kvt:{model}:changes) keeps, at least: routers' in-memory "
+                        "indexes follow it, and one that falls further behind bootstraps again from the pages sets.")
     add_stream_flags(p)
     add_common(p)
     p.set_defaults(run=run)
@@ -67,6 +70,6 @@ def run(args) -> None:
         worker_retention_s=args.worker_retention_s, partition_lease_s=args.partition_lease_s,
         ack_wait_s=args.ack_wait_s, reap_interval_s=args.reap_interval_s, streams=streams,
         partitions_explicit=explicit, hash_check=args.hash_check == "on",
-        hash_check_budget=args.hash_check_budget,
+        hash_check_budget=args.hash_check_budget, changes_maxlen=args.changes_maxlen,
     )
     run_until_signal(lambda stop: Processor(config).run(stop))

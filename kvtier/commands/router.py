@@ -33,6 +33,12 @@ def register(sub) -> None:
                         "visible to every replica (pages its events may not show yet). Pays off when requests "
                         "sharing a new context arrive together (fan-out); costs Redis memory per in-flight page "
                         "(BENCHMARKS.md).")
+    r.add_argument("--state-source", choices=["mirror", "redis"], default="mirror",
+                   help="Where decisions read tier overlaps. mirror: an in-memory index of every model, built from "
+                        "Redis and kept current from its change feed (kvt:{model}:changes), so a decision costs "
+                        "Redis only the liveness read and the booking; until a model's index is ready, decisions "
+                        "walk in Redis and say so (degraded: index-not-ready). redis: the walk in Redis for every "
+                        "decision (also what --predicted-pages on uses).")
     r.add_argument("--page-size", type=positive_int, default=None,
                    help="Expected worker page size; workers announcing another get no shared-pool credit "
                         "(default: trust each worker's announced size).")
@@ -98,7 +104,7 @@ async def _run_router(args, stop) -> None:
         booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=args.router_id,
         seed=args.seed,
         weights=scoring_weights_from(args),
-        predicted_pages=args.predicted_pages == "on",
+        predicted_pages=args.predicted_pages == "on", state_source=args.state_source,
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
                                 protect_metrics=args.protect_metrics),

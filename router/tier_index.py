@@ -1,0 +1,198 @@
+"""One model's tier state in memory: which workers hold each page on which tier, and the
+walk of docs/DESIGN.md over it for every worker at once. Pure: no I/O, no clock. Fed by
+router/mirror.py from the change feed (schemas/changes.py); the Redis pages sets stay the
+authoritative state, this is a derived read view of them.
+
+Layout: page hash -> one int, three bits per worker slot (device, host, disk: bit
+3·slot + 0/1/2). One dict entry per page whatever the number of tiers and holders, so a
+lookup is one dict probe per request page, and the walk moves every worker's phase with a
+few integer operations per page: O(request pages + workers) for a request. The external tier
+is not indexed (the walk never reads it; the shared pool answers for it).
+
+Slots are reused: a worker whose last page goes gives its slot back, so the ints stay as
+wide as the number of workers that hold pages now, not of every worker ever seen.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvtier.schemas.changes import ChangeKind, TierChange
+from kvtier.schemas.hashes import BlockHash
+from kvtier.schemas.routing import TierOverlap
+from kvtier.schemas.tiers import Tier
+
+#: Tier -> bit offset within a worker's three bits, in walk order.
+TIER_OFFSET: dict[Tier, int] = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
+_SLOT_BITS = 0b111
+
+
+class TierIndex:
+    def __init__(self) -> None:
+        self._pages: dict[BlockHash, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._worker_of: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._entries_of: dict[str, int] = {}  # worker -> its (page, tier) entries
+        self.entries = 0  # (page, tier) entries over every worker
+
+    # --- writes ---------------------------------------------------------------------------
+    def apply(self, change: TierChange) -> None:
+        worker = change.worker_id
+        for op in change.ops:
+            if op.kind is ChangeKind.CLEAR:
+                self.clear(worker)
+            elif op.tier in TIER_OFFSET:
+                if op.kind is ChangeKind.STORE:
+                    self.store(worker, op.tier, op.pages)
+                else:
+                    self.remove(worker, op.tier, op.pages)
+
+    def store(self, worker: str, tier: Tier, pages: Iterable[BlockHash]) -> None:
+        if tier not in TIER_OFFSET:
+            return
+        bit = 1 << (3 * self._slot(worker) + TIER_OFFSET[tier])
+        table, added = self._pages, 0
+        for page in pages:
+            old = table.get(page, 0)
+            if not old & bit:
+                table[page] = old | bit
+                added += 1
+        self._count(worker, added)
+
+    def remove(self, worker: str, tier: Tier, pages: Iterable[BlockHash]) -> None:
+        slot = self._slot_of.get(worker)
+        if slot is None or tier not in TIER_OFFSET:
+            return
+        bit = 1 << (3 * slot + TIER_OFFSET[tier])
+        table, removed = self._pages, 0
+        for page in pages:
+            old = table.get(page, 0)
+            if old & bit:
+                if old == bit:
+                    del table[page]
+                else:
+                    table[page] = old ^ bit
+                removed += 1
+        self._count(worker, -removed)
+
+    def clear(self, worker: str) -> None:
+        """Every page of the worker gone. Scans the table (rare: a new epoch, a rebase, an
+        expiry), skipped when the worker holds nothing."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        if self._entries_of.get(worker, 0):
+            mask = _SLOT_BITS << (3 * slot)
+            table = self._pages
+            for page in [p for p, bits in table.items() if bits & mask]:
+                rest = table[page] & ~mask
+                if rest:
+                    table[page] = rest
+                else:
+                    del table[page]
+        self._count(worker, -self._entries_of.get(worker, 0))
+
+    def _slot(self, worker: str) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+            else:
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
+            self._slot_of[worker] = slot
+            self._worker_of[slot] = worker
+            self._entries_of[worker] = 0
+        return slot
+
+    def _count(self, worker: str, delta: int) -> None:
+        if worker not in self._entries_of:
+            return
+        left = self._entries_of[worker] + delta
+        self.entries += delta
+        if left > 0:
+            self._entries_of[worker] = left
+            return
+        # Nothing left: give the slot back (its bits are all zero everywhere).
+        slot = self._slot_of.pop(worker)
+        del self._worker_of[slot], self._entries_of[worker]
+        heapq.heappush(self._free_slots, slot)
+
+    # --- reads ----------------------------------------------------------------------------
+    def workers(self) -> dict[str, int]:
+        """worker -> its (page, tier) entries."""
+        return dict(self._entries_of)
+
+    def tiers_of(self, worker: str, page: BlockHash) -> set[Tier]:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return set()
+        bits = self._pages.get(page, 0) >> (3 * slot)
+        return {tier for tier, offset in TIER_OFFSET.items() if bits >> offset & 1}
+
+    def pages_of(self, worker: str) -> dict[BlockHash, set[Tier]]:
+        """A worker's pages and tiers (a full scan: for tests and tools)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return {}
+        shift = 3 * slot
+        return {page: {tier for tier, offset in TIER_OFFSET.items() if bits >> (shift + offset) & 1}
+                for page, bits in self._pages.items() if bits >> shift & _SLOT_BITS}
+
+    def overlaps(self, pages: Sequence[BlockHash], workers: Iterable[str]) -> dict[str, TierOverlap]:
+        """Each worker's tiered overlap with a request's pages (hashed at that worker's page
+        size), by the walk of docs/DESIGN.md: the device prefix, then on host while the page
+        is on host, then on disk, each page counted once at the first tier where the walk
+        finds it. Workers the index has no page of get a zero overlap."""
+        slots = {w: self._slot_of[w] for w in workers if w in self._slot_of}
+        result = {w: TierOverlap() for w in workers if w not in slots}
+        if not slots:
+            return result
+        n = len(pages)
+        # end[slot] = [device end, host end, disk end]: the page position where the worker
+        # left each stage of the walk (n: it never left).
+        ends = {slot: [n, n, n] for slot in slots.values()}
+        device_phase = 0
+        for slot in slots.values():
+            device_phase |= 1 << (3 * slot)
+        host_phase = disk_phase = 0
+        left: list[tuple[int, int, int]] = []  # (position, stage, bits of the workers that left)
+        get = self._pages.get
+        for position, page in enumerate(pages):
+            bits = get(page, 0)
+            if device_phase:
+                out = device_phase & ~bits
+                if out:
+                    device_phase ^= out
+                    host_phase |= out << 1
+                    left.append((position, 0, out))
+            if host_phase:
+                out = host_phase & ~bits
+                if out:
+                    host_phase ^= out
+                    disk_phase |= out << 1
+                    left.append((position, 1, out))
+            if disk_phase:
+                out = disk_phase & ~bits
+                if out:
+                    disk_phase ^= out
+                    left.append((position, 2, out))
+            if not (device_phase or host_phase or disk_phase):
+                break
+        for position, stage, out in left:
+            while out:
+                low = out & -out
+                ends[(low.bit_length() - 1) // 3][stage] = position
+                out ^= low
+        for worker, slot in slots.items():
+            device, host, disk = ends[slot]
+            result[worker] = TierOverlap(device=device, host=host - device, disk=disk - host)
+        return result
+
+
+def bulk_store(index: TierIndex, worker: str, by_tier: Mapping[Tier, Sequence[BlockHash]]) -> None:
+    """Load a worker's pages as a bootstrap scan read them."""
+    for tier, pages in by_tier.items():
+        index.store(worker, tier, pages)
