@@ -52,6 +52,7 @@ from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
 from .state import (
     ModelDirectory,
     OverlapReader,
+    TierStateReader,
     WorkerDirectory,
     WorkerStatus,
     WorkerView,
@@ -169,10 +170,11 @@ class Router:
         self.redis = redis_client
         self.directory = WorkerDirectory(redis_client)
         self.mirror: TierMirror | None = None
-        self.reader: OverlapReader | MirroredOverlapReader = OverlapReader(redis_client)
+        walk = OverlapReader(redis_client)
+        self.reader: TierStateReader = walk
         if settings.reads_index:
             self.mirror = TierMirror(redis_client, metrics, block_ms=settings.index_block_ms)
-            self.reader = MirroredOverlapReader(redis_client, self.mirror, self.reader)
+            self.reader = MirroredOverlapReader(redis_client, self.mirror, walk)
         self.book = LoadBook(redis_client, settings.booking_ttl_s)
         self.shared_pool = shared_pool
         self.decision_log = decision_log

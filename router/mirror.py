@@ -74,21 +74,23 @@ class ModelMirror:
         self.last_bootstrap_reason = ""
         self.last_bootstrap_s = 0.0
         self._rebuild_reason = "start"
+        self._stopping = False
         self._task: asyncio.Task | None = None
 
     # --- the follower task -----------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.create_task(self.run(), name=f"kvtier-index-{self.model_token}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        self._stopping = True
+        # A cancellation that lands as a socket timeout fires can surface as a TimeoutError (an
+        # OSError the loop retries): cancel until the task has really ended.
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=0.1)
 
     def request_rebuild(self, reason: str) -> None:
         """Called by a decision that found the marker's id changed: stop using the index."""
@@ -99,7 +101,7 @@ class ModelMirror:
             self._rebuild_reason = reason
 
     async def run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 if not self.ready:
                     await self.bootstrap(self._rebuild_reason)
@@ -111,9 +113,10 @@ class ModelMirror:
                 self._set_ready(False)
             except (redis.exceptions.RedisError, OSError) as exc:
                 # The position is kept: the feed resumes from it when Redis answers again.
-                log.warning("model %s: reading the change feed failed (%s: %s); retrying", self.model_token,
-                            type(exc).__name__, exc)
-                await asyncio.sleep(RETRY_S)
+                if not self._stopping:
+                    log.warning("model %s: reading the change feed failed (%s: %s); retrying", self.model_token,
+                                type(exc).__name__, exc)
+                    await asyncio.sleep(RETRY_S)
 
     # --- building -------------------------------------------------------------------------
     async def bootstrap(self, reason: str) -> None:
@@ -155,7 +158,7 @@ class ModelMirror:
 
     async def follow(self) -> None:
         checked = time.monotonic()
-        while self.ready:
+        while self.ready and not self._stopping:
             await self._read(block=True)
             if time.monotonic() - checked >= MARKER_CHECK_S:
                 checked = time.monotonic()

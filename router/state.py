@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -56,6 +57,18 @@ class Views(list):
     rebuilding: bool = False
     marker_id: str = ""
     degraded: str = ""
+
+
+class TierStateReader(Protocol):
+    """Where a decision reads tier state: every live worker's status, page size, booked load
+    and tiered overlap with the request. Two implementations: `OverlapReader` (the walk in
+    Redis, over the authoritative pages sets) and router/mirror.py's `MirroredOverlapReader`
+    (the same read without the walk, the overlaps from an in-memory index that follows the
+    change feed). Both are written by the same writer (consumers/apply.py), and one test
+    suite runs against both (tests/test_tier_state.py)."""
+
+    async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],
+                   now_ms: int | None = None) -> Views: ...
 
 
 class OverlapReader:
