@@ -125,6 +125,23 @@ class RouterProcess(KvtierProcess):
     def release(self, model: str, request_id: str, stage: str = "complete") -> tuple[int, dict, dict]:
         return http("POST", self.url + "/v1/release", {"model": model, "request_id": request_id, "stage": stage})
 
+    def index_settled(self, client: redis.Redis, model: str) -> bool:
+        """This replica's index of the model follows the feed and has applied all of it, under
+        the store's current marker."""
+        from kvtier.schemas.state_keys import ModelKeys
+
+        keys = ModelKeys.for_model(model)
+        head = int(client.get(keys.changes_counter) or 0)
+        marker = (client.hget(keys.incarnation, "id") or b"").decode()
+        indexes = {i["model"]: i for i in http("GET", self.url + "/healthz")[1].get("indexes", [])}
+        index = indexes.get(keys.model_token)
+        return bool(index and index["ready"] and index["change"] == head and index["marker_id"] == marker)
+
+    def wait_index_settled(self, client: redis.Redis, model: str, timeout: float = 20.0) -> None:
+        wait_until(lambda: self.index_settled(client, model), timeout=timeout,
+                   what=lambda: f"{self.url}'s index of {model} to reach the feed's head: "
+                                f"{http('GET', self.url + '/healthz')[1].get('indexes')}")
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
             return response.read().decode()

@@ -116,7 +116,10 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
                 {"model": "m", "worker_id": "w1", "mismatched_pages": 3, "checked_pages": 5,
                  "kinds": {"hash_scheme": 3}, "explanation": "other scheme"}]},
             "partial_workers": [{"model": "m", "worker_id": "w2"}], "page_size": None,
-            "decision_log": {"enabled": True, "connected": False}, "models": ["m"]}
+            "decision_log": {"enabled": True, "connected": False}, "models": ["m"], "state_source": "mirror",
+            "indexes": [{"model": "m", "ready": True, "position": "1796162837965-0", "change": 2,
+                         "marker_id": "f42838bb26d24e01", "entries": 14, "lag_seconds": 0.001, "bootstraps": 1,
+                         "last_bootstrap_reason": "start", "last_bootstrap_seconds": 0.0084}]}
     raw = msgspec.json.encode(body)
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw

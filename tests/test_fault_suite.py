@@ -121,6 +121,8 @@ def test_redis_data_loss_is_detected_routing_degrades_and_the_state_is_rebuilt(n
             state = run.state()
             assert state["stale"] == "0" and state["epochs"] == "1"  # rebuilt, not resynced
             assert "acknowledged batches were lost" in run.processor.output()
+            # The replica's index notices the new marker and builds itself from the rebuilt state.
+            router.wait_index_settled(run.client, MODEL)
             status, after, _ = router.route(MODEL, tokens, book=False)
             assert status == 200 and after["degraded"] == []
             assert _overlap(after) == _walk(reference.pages, tokens)

@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import redis
 
+from kvtier.consumers.apply import TierStateWriter
 from kvtier.router import scoring
 from kvtier.schemas.events import (
     AllCleared,
@@ -371,8 +372,10 @@ def test_explain_reproduces_a_real_routers_decision_and_flags_differences(nats_s
         # live state changed outside the stream: the router sees c holding the whole request on
         # device, the stream never said so -> overlap, logit and winner all differ
         assert router.release(MODEL, "req-1")[0] == 200 and router.release(MODEL, "req-2")[0] == 200
-        keys = ModelKeys.for_model(MODEL)
-        redis_client.sadd(keys.pages("c"), *[page_member(Tier.DEVICE, page_key(x)) for x in h])
+        # Written as a processor writes (so the routers' indexes see it, through the change
+        # feed), but never published to the stream.
+        assert TierStateWriter(redis_client).apply(batch("c", 1, 2, stored(Tier.DEVICE, h))).status == 0
+        router.wait_index_settled(redis_client, MODEL)
         status, third, _ = router.route(MODEL, tokens, request_id="req-3", book=False)
         assert status == 200 and third["worker_id"] == "c", third
         wait_until(lambda: logged(nats_server.url, "req-3"), timeout=15)
