@@ -102,6 +102,27 @@ def test_router_page_size_from_healthz_is_compared_and_its_absence_said():
     assert "http://r3 do not report their --page-size" in finding.finding
 
 
+def test_a_router_index_not_at_the_feed_head_is_a_warning():
+    from kvtier.schemas.router_health import IndexHealth, RouterHealth
+
+    def router(*indexes, source="mirror"):
+        return views.RouterView(url="r", reachable=True, http_status=200,
+                                healthz=RouterHealth(state_source=source, indexes=list(indexes)))
+
+    redis_view = _redis(feeds={"m": views.FeedHead(change=10, marker_id="A"),
+                               "n": views.FeedHead(change=3, marker_id="B")})
+    at_head = IndexHealth(model="m", ready=True, change=10, marker_id="A", entries=5)
+    assert _one(judge.check_router_indexes(redis_view, [router(at_head)]), "router_index", views.Status.OK)
+    for index, words in ((IndexHealth(model="m", ready=True, change=7, marker_id="A"), "at change 7, the feed at 10"),
+                         (IndexHealth(model="m", ready=True, change=10, marker_id="old"), "built under marker 'old'"),
+                         (IndexHealth(model="m", ready=False, last_bootstrap_reason="gap"), "being built (gap)")):
+        finding = _one(judge.check_router_indexes(redis_view, [router(index)]), "router_index", views.Status.WARN)
+        assert words in finding.finding and finding.subject == "r m"
+    # a router that walks in Redis has no index to judge; an unreachable Redis judges nothing
+    assert judge.check_router_indexes(redis_view, [router(source="redis")]) == []
+    assert judge.check_router_indexes(views.RedisView(url="x", reachable=False), [router(at_head)]) == []
+
+
 def test_a_router_healthz_body_round_trips_through_its_schema():
     """The body as routers have always written it (field names and order) decodes into
     RouterHealth and encodes back to the same bytes; a router that does not report its
@@ -274,6 +295,9 @@ def problems(report: dict) -> list[dict]:
 
 
 def test_healthy_stack_passes_every_check(stack):
+    # The router indexes the model it routes (its index was started when it first routed it).
+    assert stack.router.route(MODEL_OK, _tokens(1, 6), book=False)[0] == 200
+    stack.router.wait_index_settled(stack.client, MODEL_OK)
     args = ["--router", stack.router.url, "--model", MODEL_OK, "--strict"]
     if stack.master is not None:
         args += ["--mooncake-master", stack.master.http_url]
@@ -281,7 +305,8 @@ def test_healthy_stack_passes_every_check(stack):
     assert rc == 0 and problems(report) == [], output
     checks = {f["check"] for f in report["findings"]}
     assert checks >= {"nats", "streams", "redis", "workers", "events", "tiers", "page_size", "mooncake", "router",
-                      "hash_scheme", "dead_letters"}, output
+                      "router_index", "hash_scheme", "dead_letters"}, output
+    assert "at the change feed's head (doc-ok: " in found(report, "router_index")[0]["finding"], output
     assert "host tier reported by 1 of 1" in found(report, "tiers")[0]["finding"]
     assert "1 of 1 workers live" in found(report, "workers")[0]["finding"]
     assert "page size 4" in found(report, "page_size")[0]["finding"]

@@ -517,6 +517,49 @@ def check_dead_letters(nats: NatsView) -> list[Finding]:
             "(stage.model.worker); read them with `nats stream view KVTIER_DLQ`, then `nats stream purge KVTIER_DLQ`")]
 
 
+def index_behind(router: RouterView, redis_view: RedisView):
+    """(model token, what is wrong) for each of the router's in-memory indexes that is not at
+    its model's change feed head as Redis was read (nothing for a router that walks in Redis)."""
+    if not router.reachable or router.error or router.healthz.state_source != "mirror":
+        return
+    indexes = {i.model: i for i in router.healthz.indexes}
+    for model, head in sorted(redis_view.feeds.items()):
+        if redis_view.requested_model and model != redis_view.requested_model:
+            continue
+        index = indexes.get(model)
+        if index is None:
+            continue  # built when the router first routes the model
+        if not index.ready:
+            yield model, (f"index of {model} is being built ({index.last_bootstrap_reason or 'start'}): its "
+                          "decisions walk in Redis meanwhile (degraded: index-not-ready)")
+        elif index.marker_id != head.marker_id:
+            yield model, (f"index of {model} was built under marker {index.marker_id!r}, the store has "
+                          f"{head.marker_id!r}: its next decision notices and builds it again")
+        elif index.change < head.change:
+            yield model, (f"index of {model} is at change {index.change}, the feed at {head.change} "
+                          f"(last lag {index.lag_seconds * 1000:.1f} ms)")
+
+
+def check_router_indexes(redis_view: RedisView, routers: list[RouterView]) -> list[Finding]:
+    """Every replica that reads an in-memory index must be at the feed's head (router/mirror.py)."""
+    if not redis_view.reachable:
+        return []
+    out = []
+    for r in routers:
+        behind = list(index_behind(r, redis_view))
+        for model, what in behind:
+            out.append(Finding(check="router_index", status=Status.WARN, subject=f"{r.url} {model}", finding=what,
+                               fix="if it stays so: check the router's log for change-feed errors and its "
+                                   "router_index_lag_seconds; a replica far behind rebuilds itself from Redis"))
+        ready = [i for i in r.healthz.indexes if i.ready] if r.reachable and not r.error else []
+        if not behind and ready:
+            out.append(Finding(check="router_index", status=Status.OK, subject=r.url,
+                               finding=f"{len(ready)} model index(es) at the change feed's head ("
+                                       + ", ".join(f"{i.model}: {i.entries:,} entries, change {i.change}"
+                                                   for i in ready) + ")"))
+    return out
+
+
 def diagnose(obs: Observation) -> list[Finding]:
     return [
         *check_nats(obs.nats),
@@ -528,6 +571,7 @@ def diagnose(obs: Observation) -> list[Finding]:
         *check_page_sizes(obs.redis, obs.routers),
         *check_mooncake(obs.mooncake, obs.redis, obs.routers),
         *check_routers(obs.routers),
+        *check_router_indexes(obs.redis, obs.routers),
         *check_hash_scheme(obs.redis),
         *check_dead_letters(obs.nats),
     ]

@@ -27,11 +27,12 @@ from kvtier.schemas.subjects import (
 )
 from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
 
-from .judge import message_ahead_of, shorten
+from .judge import index_behind, message_ahead_of, shorten
 from .views import (
     LATEST_DEAD_LETTERS,
     MOONCAKE_PROBE_KEY,
     DeadLetter,
+    FeedHead,
     LastMessage,
     MooncakeView,
     NatsView,
@@ -93,7 +94,17 @@ def observe_redis(url: str, model: str | None, timeout: float) -> RedisView:
                 tiers_seen, raw_meta = replies[2 + 2 * i], replies[3 + 2 * i]
                 workers.append(_worker_record(row, tiers_seen, raw_meta, page_sizes.get(row["worker"]),
                                             hash_checks.get(row["worker"])))
-        return RedisView(url=redact(url), reachable=True, models=models, requested_model=token, workers=workers)
+        feeds = {}
+        if models:
+            pipe = client.pipeline(transaction=False)
+            for model_token in models:
+                pipe.get(ModelKeys(model_token).changes_counter)
+                pipe.hget(ModelKeys(model_token).incarnation, "id")
+            replies = pipe.execute()
+            feeds = {m: FeedHead(change=int(replies[2 * i] or 0), marker_id=as_text(replies[2 * i + 1] or b""))
+                     for i, m in enumerate(models)}
+        return RedisView(url=redact(url), reachable=True, models=models, requested_model=token, workers=workers,
+                         feeds=feeds)
     except redis.RedisError as exc:
         return RedisView(url=redact(url), reachable=False, error=str(exc).strip() or _err(exc), requested_model=token)
     finally:
@@ -316,6 +327,11 @@ async def observe(nats_url: str, redis_url: str, routers: list[str], mooncake_ma
         await asyncio.to_thread(_confirm_behind, redis_view, nats_view, redis_url, timeout)
     results = await side_task
     router_views = list(results[: len(routers)])
+    # Routers were asked concurrently with Redis: one whose index looks behind the feed head
+    # read may simply have answered first. Ask it once more, now surely after that read.
+    for i, view in enumerate(router_views):
+        if any(index_behind(view, redis_view)):
+            router_views[i] = await asyncio.to_thread(observe_router, view.url, timeout)
     mooncake_view = results[len(routers)] if mooncake_master else None
     return Observation(nats=nats_view, redis=redis_view, routers=router_views, mooncake=mooncake_view,
                        events_window_s=events_window_s)

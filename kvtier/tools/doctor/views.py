@@ -27,7 +27,7 @@ class Status(str, enum.Enum):
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
     """One judged fact. `check` is a stable id (nats, streams, redis, workers, events, tiers,
-    page_size, mooncake, router, hash_scheme, dead_letters); `subject` what it is about
+    page_size, mooncake, router, router_index, hash_scheme, dead_letters); `subject` what it is about
     (a URL, a stream, model/worker)."""
 
     check: str
@@ -114,6 +114,13 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
         return bits
 
 
+class FeedHead(msgspec.Struct, kw_only=True):
+    """A model's change feed as Redis had it: its last change number, and the marker's id."""
+
+    change: int = 0
+    marker_id: str = ""
+
+
 class RedisView(msgspec.Struct, kw_only=True):
     url: str
     reachable: bool
@@ -123,6 +130,8 @@ class RedisView(msgspec.Struct, kw_only=True):
     #: The model asked for with --model (its token), if any.
     requested_model: str | None = None
     workers: list[WorkerRecord] = []
+    #: model token -> its change feed's head (routers' indexes must reach it).
+    feeds: dict[str, FeedHead] = {}
 
 
 class RouterView(msgspec.Struct, kw_only=True):
