@@ -53,6 +53,7 @@ from .state import (
     ModelDirectory,
     OverlapReader,
     TierStateReader,
+    Views,
     WorkerDirectory,
     WorkerStatus,
     WorkerView,
@@ -241,7 +242,7 @@ class Router:
                                 u: float, started: float) -> Outcome:
         model = request.model
         directory = await self._directory(model)
-        views: list[WorkerView] = []
+        views = Views()
         pages_by_size: dict[int, RequestPages] = {}
         shared: dict | None = None
         shared_error = ""

@@ -130,7 +130,7 @@ class ModelMirror:
         marker, counter, last, workers = await pipe.execute()
         index = TierIndex()
         for worker in sorted(as_text(w) for w in workers):
-            cursor: bytes | str | int = 0
+            cursor: bytes | str = "0"
             while True:
                 cursor, device, host, disk = await self._scan(keys=[keys.pages(worker)], args=[cursor, SCAN_COUNT])
                 for tier, blob in ((Tier.DEVICE, device), (Tier.HOST, host), (Tier.DISK, disk)):
