@@ -79,11 +79,19 @@ class Refused(Exception):
         self.status, self.message = status, message
 
 
+#: One decoder per request type, built once (msgspec.json.decode(data, type=...) looks the type up on
+#: every call, and a lambda per request wrapped it).
+_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (RouteRequest, ReleaseRequest, GenerateRequest)}
+
+
 def _decode(body: bytes, kind):
     """Decode a request body straight into its struct; errors name the offending path."""
     if not body:
         raise Refused(400, "empty body: send a JSON object")
-    return guarded(lambda data: msgspec.json.decode(data, type=kind), body)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    return guarded(decoder.decode, body)
 
 
 class RouterService:
@@ -95,7 +103,9 @@ class RouterService:
         self._housekeeping: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._auth, self._errors])
+        # One middleware (auth, then refusals as JSON errors): aiohttp wraps each in a coroutine
+        # layer on every request.
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._edge])
         app.router.add_post("/v1/route", self.route)
         app.router.add_post("/v1/release", self.release)
         app.router.add_get("/healthz", self.healthz)
@@ -122,15 +132,13 @@ class RouterService:
             await asyncio.sleep(self.settings.housekeeping_s)
             await self.router.housekeeping()
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
+    def _refuse_unauthorized(self, request: web.Request, token: str) -> web.Response | None:
         """Bearer-token check before anything else (the body is not even read): every path but
         the open ones needs it when the router has a token. Compared in constant time; the
-        answer never repeats what was sent."""
-        token = self.settings.auth_token
-        open_path = request.path == "/healthz" or (request.path == "/metrics" and not self.settings.protect_metrics)
-        if not token or open_path:
-            return await handler(request)
+        answer never repeats what was sent. None: let the request through."""
+        path = request.path
+        if path == "/healthz" or (path == "/metrics" and not self.settings.protect_metrics):
+            return None
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
         if not header:
@@ -139,7 +147,7 @@ class RouterService:
         elif scheme.lower() != "bearer" or not given.strip():
             message, error = "the Authorization header must be 'Bearer <token>'", "invalid_request"
         elif hmac.compare_digest(given.strip().encode(), token.encode()):
-            return await handler(request)
+            return None
         else:
             message, error = "invalid bearer token", "invalid_token"
         response = _error(401, message, self.metrics)
@@ -147,7 +155,14 @@ class RouterService:
         return response
 
     @web.middleware
-    async def _errors(self, request: web.Request, handler):
+    async def _edge(self, request: web.Request, handler):
+        """The bearer-token check (with --auth-token), then the handler, with its refusals (and
+        aiohttp's own: unknown path, wrong method, body too large) answered as JSON errors."""
+        token = self.settings.auth_token
+        if token:
+            refused = self._refuse_unauthorized(request, token)
+            if refused is not None:
+                return refused
         try:
             return await handler(request)
         except Refused as exc:
