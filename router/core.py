@@ -455,15 +455,18 @@ class Router:
         if self.mirror is not None:
             await self.mirror.close()
 
-    async def start_indexes(self) -> None:
-        """Begin building the index of every model the store knows, before the first request."""
+    async def start_indexes(self, quiet: bool = False) -> None:
+        """Begin building the index of every model the store knows (at start, before the first
+        request; then from housekeeping, for models that appeared since)."""
         if self.mirror is None:
             return
         try:
             for model in await self.directory.known_models():
-                self.mirror.model(model)
+                if model not in self.mirror.models:
+                    self.mirror.model(model)
         except Exception as exc:  # noqa: BLE001 - each index is built on first use instead
-            log.warning("could not list the store's models (%s); indexes are built on first use", exc)
+            if not quiet:
+                log.warning("could not list the store's models (%s); indexes are built on first use", exc)
 
     async def housekeeping(self) -> None:
         """Refresh the directories of models in use and give back expired bookings."""

@@ -36,8 +36,12 @@ from .tier_index import TierIndex
 
 log = logging.getLogger("kvtier.router")
 
-#: Why a decision walked in Redis although the replica reads an in-memory index.
+#: Why a decision walked in Redis although the replica reads an in-memory index: the index
+#: is being built, or it did not reach the read's change number within the wait.
 DEGRADED_INDEX_NOT_READY = "index-not-ready"
+DEGRADED_INDEX_BEHIND = "index-behind"
+#: How long a decision waits for its index to reach the change number its read saw (seconds).
+CATCH_UP_WAIT_S = 0.05
 
 #: Members a bootstrap scan step asks SSCAN for (one Lua call, a few ms of Redis time at most).
 SCAN_COUNT = 20_000
@@ -75,6 +79,7 @@ class ModelMirror:
         self.last_bootstrap_s = 0.0
         self._rebuild_reason = "start"
         self._stopping = False
+        self._advanced = asyncio.Event()  # set (and replaced) each time entries are applied
         self._task: asyncio.Task | None = None
 
     # --- the follower task -----------------------------------------------------------------
@@ -191,9 +196,25 @@ class ModelMirror:
             self.lag_s = max(0.0, now_ms - change.written_ms) / 1000
             if self._metrics is not None:
                 self._metrics.index_lag.observe(self.lag_s)
-        if entries and self._metrics is not None:
-            self._metrics.index_entries.labels(self.model_token).set(self.index.entries)
+        if entries:
+            self._advanced.set()
+            self._advanced = asyncio.Event()
+            if self._metrics is not None:
+                self._metrics.index_entries.labels(self.model_token).set(self.index.entries)
         return len(entries)
+
+    async def reached(self, change: int, timeout_s: float) -> bool:
+        """Whether the index has applied the feed up to `change`, waiting up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.ready and self.change < change:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return self.ready and self.change >= change
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
@@ -236,12 +257,17 @@ class TierMirror:
 
 class MirroredOverlapReader:
     """The decision's read with an index: who is live, stale and loaded from Redis (the same
-    script, with nothing to walk), the overlaps from the model's index. Until the index is
-    ready, or when the store's marker is not the one it was built under, the walk in Redis."""
+    script, with nothing to walk), the overlaps from the model's index once it has applied the
+    feed up to the change number that read saw, so a decision sees every write Redis had
+    when it was read, as the walk does (waiting up to `catch_up_s` for the follower; the
+    feed's lag is a few ms). Until the index is ready, when it stays behind, or when the
+    store's marker is not the one it was built under: the walk in Redis, said in `degraded`."""
 
-    def __init__(self, client, mirror: TierMirror, walk: OverlapReader | None = None):
+    def __init__(self, client, mirror: TierMirror, walk: OverlapReader | None = None,
+                 catch_up_s: float = CATCH_UP_WAIT_S):
         self.mirror = mirror
         self._redis = walk or OverlapReader(client)
+        self._catch_up_s = catch_up_s
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages], now_ms: int | None = None) -> Views:
         index = self.mirror.model(ModelKeys.for_model(model).model_token)
@@ -257,6 +283,10 @@ class MirroredOverlapReader:
             return views
         if views.rebuilding:
             return views  # no overlap is trusted while the store's state is rebuilt
+        if index.change < views.feed_change and not await index.reached(views.feed_change, self._catch_up_s):
+            views = await self._redis.read(model, pages_by_size, now_ms)
+            views.degraded = DEGRADED_INDEX_BEHIND if index.ready else DEGRADED_INDEX_NOT_READY
+            return views
         by_size: dict[int, list[str]] = {}
         for view in views:
             if view.status is WorkerStatus.CANDIDATE and view.page_size in pages_by_size:
@@ -266,5 +296,5 @@ class MirroredOverlapReader:
             overlaps.update(index.index.overlaps(pages_by_size[size].hashes, workers))
         out = Views(WorkerView(v.worker_id, v.status, v.page_size, overlaps[v.worker_id], v.prefill_load,
                                v.decode_load) if v.worker_id in overlaps else v for v in views)
-        out.rebuilding, out.marker_id = views.rebuilding, views.marker_id
+        out.rebuilding, out.marker_id, out.feed_change = views.rebuilding, views.marker_id, views.feed_change
         return out

@@ -1,13 +1,14 @@
 -- Every live worker's tiered overlap with a request, and its booked load, in one call.
 -- KEYS: 1 leases zset, 2 prefill load hash, 3 decode load hash, 4 stale-workers set,
---       5 page-size hash, 6 incarnation marker (all in the model's slot; each worker's pages
---       set is derived from ARGV[1], which carries the same hash tag)
+--       5 page-size hash, 6 incarnation marker, 7 the change counter (all in the model's slot;
+--       each worker's pages set is derived from ARGV[1], which carries the same hash tag)
 -- ARGV: 1 key base "kvt:{m}", 2 now (unix ms), 3 first chunk size,
 --       4.. pairs: page size, page-key blob (16 hex digits per page, in request order)
 -- Returns a flat list: first 1 if the model's state is being rebuilt (marker missing, not
 -- ready, or rebuilding: nothing is walked, every overlap is 0), else 0; then the marker's id
--- ("" when missing: an in-memory index built under another id is not this state's); then 9
--- fields per live worker (lease expiry > now):
+-- ("" when missing: an in-memory index built under another id is not this state's); then the
+-- change counter (an index that has applied the feed up to it holds this state's pages); then
+-- 9 fields per live worker (lease expiry > now):
 --   worker, status (0 candidate | 1 stale | 2 no pages given at its page size),
 --   page size, device, host, disk, queued prefill pages, active decode pages, predicted
 -- The walk is docs/DESIGN.md's: the device prefix, then on host while the page is on host, then
@@ -99,7 +100,7 @@ end
 
 local marker = redis.call('HMGET', KEYS[6], 'ready', 'rebuilding', 'id')
 local rebuilding = marker[1] ~= '1' or marker[2] == '1'
-local out = {rebuilding and 1 or 0, marker[3] or ''}
+local out = {rebuilding and 1 or 0, marker[3] or '', tonumber(redis.call('GET', KEYS[7]) or 0)}
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '+inf')
 if #live == 0 then return out end
 local prefill = redis.call('HMGET', KEYS[2], unpack(live))

@@ -131,6 +131,7 @@ class RouterService:
         while True:
             await asyncio.sleep(self.settings.housekeeping_s)
             await self.router.housekeeping()
+            await self.router.start_indexes(quiet=True)  # models that appeared since
 
     def _refuse_unauthorized(self, request: web.Request, token: str) -> web.Response | None:
         """Bearer-token check before anything else (the body is not even read): every path but

@@ -56,6 +56,9 @@ class Views(list):
 
     rebuilding: bool = False
     marker_id: str = ""
+    #: The model's change counter at the read: an index that has applied the feed that far
+    #: holds the pages sets as this read saw them.
+    feed_change: int = 0
     degraded: str = ""
 
 
@@ -87,14 +90,15 @@ class OverlapReader:
         for size, pages in pages_by_size.items():
             args += (size, pages.keys_blob if walk else "")
         flat = await self._script(keys=[keys.leases, keys.prefill_load, keys.decode_load, keys.stale_workers,
-                                        keys.page_sizes, keys.incarnation], args=args)
+                                        keys.page_sizes, keys.incarnation, keys.changes_counter], args=args)
         status_of = _STATUS_OF
         views = Views(WorkerView(worker.decode() if isinstance(worker, bytes) else worker, status_of[status], size,
                            TierOverlap(device=device, host=host, disk=disk, predicted=predicted), prefill, decode)
                 for worker, status, size, device, host, disk, prefill, decode, predicted
-                in (flat[i:i + 9] for i in range(2, len(flat), 9)))
+                in (flat[i:i + 9] for i in range(3, len(flat), 9)))
         views.rebuilding = bool(flat[0])
         views.marker_id = as_text(flat[1])
+        views.feed_change = int(flat[2])
         return views
 
 

@@ -219,6 +219,8 @@ def test_redis_cluster_processor_and_router_work_unchanged(nats_server):
             assert len(lease_homes) > 1
 
             router = RouterProcess(cluster.url)
+            for m in models:  # each model's index built from its own master, at the feed's head
+                router.wait_index_settled(client, m)
             for i, (m, t) in enumerate(zip(models, tokens)):
                 status, body, _ = router.route(m, t, request_id=f"req-{i}", max_new_tokens=8)
                 assert status == 200, body

@@ -97,6 +97,7 @@ def test_redis_data_loss_is_detected_routing_degrades_and_the_state_is_rebuilt(n
             run.publisher.publish(prefill)
             reference.apply(prefill)
             run.converge(reference)
+            router.wait_index_settled(run.client, MODEL)
             status, before, _ = router.route(MODEL, tokens, book=False)
             assert status == 200 and before["degraded"] == [], before
             assert _overlap(before) == _walk(reference.pages, tokens) == {"device": 8, "host": 0, "disk": 0}

@@ -431,6 +431,28 @@ def test_a_store_that_lost_the_model_is_followed_by_a_new_index(redis_server, re
         r.close()
 
 
+def test_a_decision_waits_for_the_writes_its_read_saw_or_walks_in_redis(redis_server, redis_client, monkeypatch):
+    """Read your writes: a decision uses the index only once it has applied the feed up to the
+    change number its Redis read saw; an index that cannot get there in time is not used."""
+    history = History(redis_client)
+    history.announce("w")
+    history.store("w", Tier.DEVICE, [1])
+    r = Reader("mirror", redis_server.url)
+    try:
+        r.settle(redis_client)
+        history.store("w", Tier.DEVICE, [2, 3])  # read at once: the index has not applied it yet
+        views = r.read({4: request([1, 2, 3])})
+        assert not views.degraded and [(v.worker_id, v.overlap) for v in views] == [("w", overlap(3))]
+        index = r.mirror.model(TOKEN)
+        r.run(index.stop())  # a follower that is stuck
+        history.remove("w", Tier.DEVICE, [3])
+        views = r.read({4: request([1, 2, 3])})
+        assert views.degraded == mirror_module.DEGRADED_INDEX_BEHIND
+        assert [(v.worker_id, v.overlap) for v in views] == [("w", overlap(2))]  # the walk's answer
+    finally:
+        r.close()
+
+
 def test_a_decision_that_sees_another_marker_walks_in_redis_and_says_so(redis_server, redis_client):
     history = History(redis_client)
     history.announce("w")

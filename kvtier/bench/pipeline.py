@@ -29,6 +29,7 @@ from kvtier.bench.policies import CandidateView, Decision, worker_id
 from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.bench.trace import PreparedRequest
 from kvtier.producers.sim_cluster import SimCluster
+from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
 
@@ -141,8 +142,18 @@ class PipelinePolicy:
 
     async def _ready(self, keys: ModelKeys) -> bool:
         marker = await self.redis.hgetall(keys.incarnation)
-        return (await self.redis.zcard(keys.leases) >= self.workers and marker.get(b"ready") == b"1"
-                and marker.get(b"rebuilding") != b"1")
+        if not (await self.redis.zcard(keys.leases) >= self.workers and marker.get(b"ready") == b"1"
+                and marker.get(b"rebuilding") != b"1"):
+            return False
+        # ... and every router's in-memory index of the model built (else its first decisions
+        # walk in Redis, said as degraded: index-not-ready).
+        for url in self.routers:
+            async with self.session.get(url + "/healthz") as response:
+                health = decode_router_health(await response.read())
+            if health.state_source == "mirror" and not any(i.model == keys.model_token and i.ready
+                                                           for i in health.indexes):
+                return False
+        return True
 
     async def close(self) -> None:
         for p in reversed(self.procs):

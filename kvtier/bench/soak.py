@@ -23,7 +23,8 @@ transition):
   tail    a short steady tail on the survivors
 
 Every `--sample-s` seconds it records the RSS (VmRSS of /proc/<pid>/status) of every process,
-Redis `used_memory` and `INFO keyspace`, the live (page, tier) entries summed from every
+Redis `used_memory` (the change feed's memory apart: bounded by its length, not by the live
+pages, it is left out of the per-entry figures) and `INFO keyspace`, the live (page, tier) entries summed from every
 worker's state hash (n1/n2/n4/n8), live workers, pending bookings (`kvt:{m}:bookings` zcard),
 the JetStream streams' bytes and oldest-message age (the monitoring endpoint's /jsz), and
 decisions/s, and the CPU each process used. Then `judge` gives the verdicts (see there): Redis
@@ -255,7 +256,10 @@ def redis_state(client, model: str) -> dict:
     for worker, counts in zip(workers, replies):
         per_worker[worker] = [int(c or 0) for c in counts]
     live, bookings, prefill_fields, decode_fields = replies[len(workers):]
-    return {"used_memory": int(memory["used_memory"]),
+    # The change feed is bounded by its length (--changes-maxlen), not by the live pages: its
+    # memory is measured apart (every node: SAMPLES 0) and left out of the per-entry figures.
+    feed = client.memory_usage(keys.changes, samples=0) or 0
+    return {"used_memory": int(memory["used_memory"]), "feed_bytes": int(feed),
             "used_memory_dataset": int(memory.get("used_memory_dataset", 0)),
             "mem_clients": int(memory.get("mem_clients_normal", 0)),
             "used_memory_scripts": int(memory.get("used_memory_scripts", memory.get("used_memory_scripts_eval", 0))),
@@ -526,7 +530,8 @@ def format_table(medians: dict[str, dict], phases, baseline_used_memory: int) ->
     rss_keys = sorted({k for m in medians.values() for k in m if k.startswith("rss_")},
                       key=lambda k: (next((i for i, o in enumerate(order) if k.startswith(o)), len(order)), k))
     rss_short = {k: k[4:].replace("_mb", "") for k in rss_keys}
-    header = (f"{'phase':<7} {'s':>5} {'wrk':>3} {'device':>7} {'host':>7} {'redis MB':>8} {'B/entry':>7} "
+    header = (f"{'phase':<7} {'s':>5} {'wrk':>3} {'device':>7} {'host':>7} {'redis MB':>8} {'feed MB':>7} "
+              f"{'B/entry':>7} "
               f"{'keys':>5} {'bk':>4} {'dec/s':>5} {'JS MB ev/dec':>12} "
               + " ".join(f"{v:>9}" for v in rss_short.values()))
     lines = ["medians per phase; RSS in MB", header, "-" * len(header)]
@@ -543,7 +548,8 @@ def format_table(medians: dict[str, dict], phases, baseline_used_memory: int) ->
         per = (mem - baseline_used_memory) / entries if mem is not None and entries >= 1000 else None
         lines.append(
             f"{name:<7} {end - start:>5.0f} {g('live_workers'):>3} {g('entries_n1'):>7} {g('entries_n2'):>7} "
-            f"{(used or 0) / 2**20:>8.2f} {per if per is not None else float('nan'):>7.0f} {g('keys'):>5} "
+            f"{(used or 0) / 2**20:>8.2f} {g('feed_mb', '{:.2f}'):>7} "
+            f"{per if per is not None else float('nan'):>7.0f} {g('keys'):>5} "
             f"{g('bookings'):>4} {g('decisions_per_s', '{:.1f}'):>5} "
             f"{g('js_KVTIER_EVENTS_mb', '{:.1f}') + '/' + g('js_KVTIER_DECISIONS_mb', '{:.1f}'):>12} "
             + " ".join(f"{g(k, '{:.1f}'):>9}" for k in rss_keys))
@@ -728,7 +734,8 @@ class Soak:
             self._cpu_prev[name] = (used, t)
         for key in ("used_memory", "used_memory_dataset", "mem_clients", "used_memory_scripts"):
             s[key] = state[key]
-        s["redis_mem"] = state["used_memory"] - state["mem_clients"]
+        s["redis_mem"] = state["used_memory"] - state["mem_clients"] - state["feed_bytes"]
+        s["feed_mb"] = round(state["feed_bytes"] / 2**20, 3)
         s["keys"] = state["keys"]
         s["expires"] = state["expires"]
         totals = [0, 0, 0, 0]
@@ -992,7 +999,7 @@ class Soak:
         base = []
         for _ in range(5):
             state0 = redis_state(client, MODEL)
-            base.append(state0["used_memory"] - state0["mem_clients"])
+            base.append(state0["used_memory"] - state0["mem_clients"] - state0["feed_bytes"])
             await asyncio.sleep(0.3)
         self.baseline_used_memory = int(statistics.median(base))
 
