@@ -85,13 +85,18 @@ class ModelMirror:
             self._task = asyncio.create_task(self.run(), name=f"kvtier-index-{self.model_token}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        if task is None:
+            return
+        # Cancelled until it ends: before Python 3.12, asyncio.wait_for (which redis-py's reads
+        # go through) drops a cancel that lands just as the reply arrives, and the follower
+        # would go on reading while this waited for it.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=1.0)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
 
     def request_rebuild(self, reason: str) -> None:
         """Called by a decision that found the marker's id changed: stop using the index."""
