@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis.exceptions
 
 from kvtier.plumbing.lua_scripts import load_lua
-from kvtier.schemas.changes import MalformedChange, decode_change, page_keys_to_hashes
+from kvtier.schemas.changes import MalformedChange, TierChange, decode_change, page_keys_to_hashes
 from kvtier.schemas.router_health import IndexHealth
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text
 from kvtier.schemas.tiers import Tier
@@ -61,8 +61,11 @@ class ModelMirror:
     """One model's index and the task that keeps it current."""
 
     def __init__(self, client, model_token: str, metrics: RouterMetrics | None = None, root: str = DEFAULT_ROOT,
-                 block_ms: int = 100):
+                 block_ms: int = 100, on_applied: Callable[[TierChange], None] | None = None):
+        """`on_applied`: called with each feed entry right after the index applied it (the
+        route bench times every entry's lag with it; None in the router)."""
         self._client = client
+        self._on_applied = on_applied
         self.keys = ModelKeys(model_token, root)
         self.model_token = model_token
         self._metrics = metrics
@@ -91,8 +94,9 @@ class ModelMirror:
     async def stop(self) -> None:
         task, self._task = self._task, None
         self._stopping = True
-        # A cancellation that lands as a socket timeout fires can surface as a TimeoutError (an
-        # OSError the loop retries): cancel until the task has really ended.
+        # Cancelled until it ends: before Python 3.12, asyncio.wait_for (which redis-py's reads
+        # go through) can drop a cancel that lands just as the reply arrives, and the follower
+        # would go on reading while this waited for it.
         while task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task], timeout=0.1)
@@ -192,6 +196,8 @@ class ModelMirror:
                             self.model_token, self.change, change.n)
                 raise _Rebuild("gap")
             self.index.apply(change)
+            if self._on_applied is not None:
+                self._on_applied(change)
             self.position, self.change = change.entry_id, change.n
             self.lag_s = max(0.0, now_ms - change.written_ms) / 1000
             if self._metrics is not None:

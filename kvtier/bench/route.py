@@ -9,7 +9,22 @@ the rest are cold.
 
 Measured, side by side in one run:
   - in-process decisions (`Router.route`, hashing included, booking and releasing as in
-    production), sequential: latency p50/p99; then concurrent: decisions/s;
+    production), sequential: latency p50/p99; then concurrent: decisions/s; Redis time per
+    decision (INFO commandstats, each command sent counted once) and Redis process CPU per
+    decision (INFO cpu). Twice, taking turns by blocks of requests: reading overlaps from the
+    replica's in-memory index (`--state-source mirror`, the default: the keys without prefix;
+    measured only once the index is ready, and decisions that still said `index-not-ready`
+    are counted) and walking in Redis (`--state-source redis`: the same keys prefixed `redis_`);
+  - the index lookup alone, no Redis: hashing the request + `TierIndex.overlaps` for every
+    worker (`lookup_*`), and the walk alone on precomputed hashes (`walk_*`);
+  - at scale (`--scale-entries`, 1M (page, tier) entries, HiCache-like shape): the index's
+    memory per entry (tracemalloc), and a router's bootstrap from Redis holding that state
+    (Router created -> first decision not `index-not-ready`);
+  - index lag (`--lag-rate` transitions/s for `--lag-seconds`): a writer process applies
+    128-page batches through `TierStateWriter`, a `ModelMirror` here follows the feed; lag =
+    entry applied to the index - its stream id's time (milliseconds: ids have ms resolution);
+  - `--replicas N` (N > 1): N router processes, each with its own index, deciding
+    concurrently against the same Redis: aggregate decisions/s and Redis CPU per decision;
   - the same with the shared-pool query (a real Mooncake master; only where this process
     runs in a private network namespace, see --shared-pool);
   - over HTTP to a `kvtier router` process: decisions/s at `--http-concurrency`;
@@ -21,10 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import random
+import re
 import statistics
+import struct
 import sys
 import time
+import tracemalloc
 
 import msgspec
 import redis
@@ -32,14 +51,20 @@ import redis
 from kvtier.bench import clients
 from kvtier.consumers.apply import TierStateWriter
 from kvtier.harness.embedded import RedisServer
-from kvtier.schemas.events import BridgeCursor, EventBatch, PagesStored, WorkerAnnounce
+from kvtier.schemas.changes import TierChange, page_keys_to_hashes
+from kvtier.schemas.events import BridgeCursor, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import sglang_block_hashes, sglang_page_digests
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
+from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
 
 MODEL = "bench-model"
+SCALE_MODEL = "bench-model-1m"
+LAG_MODEL = "bench-model-lag"
 U64 = 1 << 64
+#: Why a decision walked in Redis although its router reads an index (router/mirror.py).
+NOT_READY = "index-not-ready"
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -118,58 +143,444 @@ def _dynamo_find_matches(state: BenchState, requests: list[int]) -> dict[str, fl
     return {"dynamo_find_matches_p50_ms": out["p50_ms"], "dynamo_find_matches_p99_ms": out["p99_ms"]}
 
 
+async def _wait_index_ready(router, tokens: list[int], model: str = MODEL, timeout_s: float = 120.0) -> int:
+    """Decide (unbooked) until a decision reads the model's index, not the walk in Redis; how
+    many did not."""
+    not_ready = 0
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outcome = await router.route(RouteRequest(model=model, token_ids=tokens, book=False))
+        if NOT_READY not in outcome.response.degraded:
+            return not_ready
+        not_ready += 1
+        if time.monotonic() > deadline:
+            raise SystemExit(f"model {model}: the router's index was not ready after {timeout_s:.0f}s")
+        await asyncio.sleep(0.005)
+
+
+def _commands_in_scripts() -> frozenset[str]:
+    """Commands kvtier's Lua scripts call: INFO commandstats counts them too, beside the
+    script call whose time already includes theirs."""
+    from importlib import resources
+
+    names = set()
+    for package in ("kvtier.router", "kvtier.consumers"):
+        for item in resources.files(package).iterdir():
+            if item.name.endswith(".lua"):
+                names |= {m.lower() for m in re.findall(r"redis\.p?call\('([A-Za-z]+)'", item.read_text())}
+    return frozenset(names)
+
+
+class RedisCost:
+    """Redis time over measurements, from the server's own accounting. `command_us`: INFO
+    commandstats, each command sent counted once (a script call with everything it called;
+    the commands scripts call are left out, not counted twice); `process_us`: the server
+    process's CPU time (INFO cpu, user + system), parsing and networking included. Snapshots,
+    not resets: measurements of several routers can alternate and each sum up its own."""
+
+    _IN_SCRIPTS: frozenset[str] | None = None
+
+    def __init__(self, client) -> None:
+        self.client = client
+        if RedisCost._IN_SCRIPTS is None:
+            RedisCost._IN_SCRIPTS = _commands_in_scripts()
+
+    def _totals(self, cpu: dict, stats: dict) -> tuple[float, float]:
+        skip = self._IN_SCRIPTS or frozenset()
+        sent = sum(v["usec"] for k, v in stats.items()
+                   if k.startswith("cmdstat_") and k[8:] not in skip and k[8:].split("|")[0] not in ("info", "config"))
+        return sent, (cpu["used_cpu_user"] + cpu["used_cpu_sys"]) * 1e6
+
+    def snapshot(self) -> tuple[float, float]:
+        return self._totals(self.client.info("cpu"), self.client.info("commandstats"))
+
+    async def snapshot_async(self) -> tuple[float, float]:
+        return self._totals(await self.client.info("cpu"), await self.client.info("commandstats"))
+
+    @staticmethod
+    def per_decision(spent: tuple[float, float], decisions: int) -> dict[str, float]:
+        return {"redis_cpu_us_per_decision": round(spent[0] / decisions, 1),
+                "redis_process_cpu_us_per_decision": round(spent[1] / decisions, 1)}
+
+
 async def _in_process(state: BenchState, redis_url: str, requests: list[int], concurrency: int,
-                      shared_pool=None) -> dict[str, float]:
+                      shared_pool=None, sources: tuple[str, ...] = ("mirror",), keep: dict | None = None,
+                      block: int = 250) -> dict[str, dict[str, float]]:
+    """One in-process router per state source (`RouterSettings.state_source`), each measured on
+    the same requests; with several, they take turns by blocks of `block` decisions (the first
+    one alternating), so a machine whose load drifts weighs on each alike. Per source: the
+    sequential latencies, the Redis time per decision over them, then decisions/s with
+    `concurrency` concurrent loops. A router reading an index is measured only once its index
+    is ready; decisions that still walked in Redis are counted. `keep`: receives the model's
+    index (`"index"`) once measured."""
     import redis.asyncio
 
     from kvtier.router.core import Router, RouterSettings
     from kvtier.router.metrics import RouterMetrics
 
     client = redis.asyncio.Redis.from_url(redis_url)
-    router = Router(client, RouterSettings(shared_cache=shared_pool is not None), RouterMetrics(),
-                    shared_pool=shared_pool, rng=random.Random(1))
+    routers = {source: Router(client, RouterSettings(shared_cache=shared_pool is not None, state_source=source),
+                              RouterMetrics(), shared_pool=shared_pool, rng=random.Random(1))
+               for source in sources}
     try:
-        warm = RouteRequest(model=MODEL, token_ids=state.conversations[0], book=False)
-        for _ in range(20):
-            await router.route(warm)
-        hashing, latencies = [], []
-        await client.config_resetstat()
-        for i, conv in enumerate(requests):
-            tokens = state.conversations[conv]
-            start = time.perf_counter()
-            outcome = await router.route(RouteRequest(model=MODEL, token_ids=tokens, request_id=f"seq-{i}"))
-            latencies.append(time.perf_counter() - start)
-            await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
-            if i < 200:
+        results: dict[str, dict[str, float]] = {source: {} for source in sources}
+        for source, router in routers.items():
+            if router.mirror is not None:
+                started = time.perf_counter()
+                await _wait_index_ready(router, state.conversations[0])
+                results[source]["index_ready_wait_s"] = round(time.perf_counter() - started, 3)
+            warm = RouteRequest(model=MODEL, token_ids=state.conversations[0], book=False)
+            for _ in range(20):
+                await router.route(warm)
+        cost = RedisCost(client)
+        latencies: dict[str, list[float]] = {source: [] for source in sources}
+        spent = {source: [0.0, 0.0] for source in sources}
+        not_ready = dict.fromkeys(sources, 0)
+
+        numbered = list(enumerate(requests))
+
+        def turns(size: int):
+            for k, first in enumerate(range(0, len(requests), size)):
+                for source in (sources if k % 2 == 0 else sources[::-1]):
+                    yield source, routers[source], numbered[first:first + size]
+
+        for source, router, chunk in turns(block):
+            before = await cost.snapshot_async()
+            for i, conv in chunk:
                 start = time.perf_counter()
-                sglang_page_digests(tokens, state.page_size)
-                hashing.append(time.perf_counter() - start)
-        result = _summary(latencies)
-        result["hashing_p50_ms"] = round(statistics.median(hashing) * 1000, 4)
-        # Redis CPU per decision (the walk, the selection and the release), from the server's
-        # own accounting: what caps one model's decisions per Redis shard.
-        stats = await client.info("commandstats")
-        result["redis_ms_per_decision"] = round(
-            sum(v["usec"] for k, v in stats.items() if k.startswith("cmdstat_")) / len(requests) / 1000, 4)
-
-        queue = list(enumerate(requests))
-        done = 0
-
-        async def client_loop():
-            nonlocal done
-            while queue:
-                i, conv = queue.pop()
                 outcome = await router.route(RouteRequest(model=MODEL, token_ids=state.conversations[conv],
-                                                          request_id=f"par-{i}"))
+                                                          request_id=f"{source}-seq-{i}"))
+                latencies[source].append(time.perf_counter() - start)
+                not_ready[source] += NOT_READY in outcome.response.degraded
                 await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
-                done += 1
+            after = await cost.snapshot_async()
+            spent[source][0] += after[0] - before[0]
+            spent[source][1] += after[1] - before[1]
+        hashing = []
+        for conv in requests[:200]:
+            start = time.perf_counter()
+            sglang_page_digests(state.conversations[conv], state.page_size)
+            hashing.append(time.perf_counter() - start)
+        for source in sources:
+            out = results[source]
+            out.update(_summary(latencies[source]))
+            out["hashing_p50_ms"] = round(statistics.median(hashing) * 1000, 4)
+            # Redis time per decision (the read, the selection and the release; with an index,
+            # its follower's reads too): what caps one model's decisions per Redis shard.
+            out.update(RedisCost.per_decision((spent[source][0], spent[source][1]), len(requests)))
+            out["redis_ms_per_decision"] = round(out["redis_cpu_us_per_decision"] / 1000, 4)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        result["decisions_per_s"] = round(done / (time.perf_counter() - start))
-        return result
+        elapsed = dict.fromkeys(sources, 0.0)
+        for source, router, chunk in turns(max(2 * block, 20 * concurrency)):
+            queue = chunk[::-1]
+
+            async def client_loop(source=source, router=router, queue=queue):
+                while queue:
+                    i, conv = queue.pop()
+                    outcome = await router.route(RouteRequest(model=MODEL, token_ids=state.conversations[conv],
+                                                              request_id=f"{source}-par-{i}"))
+                    not_ready[source] += NOT_READY in outcome.response.degraded
+                    await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+            elapsed[source] += time.perf_counter() - start
+        for source, router in routers.items():
+            results[source]["decisions_per_s"] = round(len(requests) / elapsed[source])
+            if router.mirror is not None:
+                results[source]["index_not_ready_decisions"] = not_ready[source]
+                mirror = router.mirror.models[ModelKeys.for_model(MODEL).model_token]
+                results[source]["index_entries"] = mirror.index.entries
+                if keep is not None:
+                    keep["index"] = mirror.index
+        return results
     finally:
+        for router in routers.values():
+            await router.close()
         await client.aclose()
+
+
+def _lookup(state: BenchState, index, requests: list[int]) -> dict[str, float]:
+    """The in-memory read alone, no Redis: the request's tokens hashed (router/hashing.py) and
+    every worker's overlap walked in the index; then the walk alone, hashes precomputed."""
+    from kvtier.router.hashing import RequestPages
+
+    workers = list(state.holdings)
+    lookups, walks = [], []
+    for conv in requests[:5] + requests:  # the first few warm up
+        tokens = state.conversations[conv]
+        start = time.perf_counter()
+        pages = RequestPages.of(tokens, state.page_size)
+        index.overlaps(pages.hashes, workers)
+        lookups.append(time.perf_counter() - start)
+    for conv in requests[:5] + requests:
+        hashes = RequestPages.of(state.conversations[conv], state.page_size).hashes
+        start = time.perf_counter()
+        index.overlaps(hashes, workers)
+        walks.append(time.perf_counter() - start)
+    lookup, walk = _summary(lookups[5:]), _summary(walks[5:])
+    return {"lookup_p50_ms": lookup["p50_ms"], "lookup_p99_ms": lookup["p99_ms"],
+            "walk_p50_ms": walk["p50_ms"], "walk_p99_ms": walk["p99_ms"]}
+
+
+# --- at scale: ~1M (page, tier) entries -------------------------------------------------------
+def scale_holdings(rng: random.Random, workers: int, target_entries: int) -> dict[str, dict[Tier, list[int]]]:
+    """worker -> tier -> pages, at least `target_entries` (page, tier) entries in all, shaped
+    like HiCache with write-through: every worker holds 512 shared prefix pages (system prompts)
+    on device and host; of its own pages 55% are on device and host (written through), 35% on
+    host only (evicted from the GPU), 10% on disk only (evicted to storage)."""
+    shared = [rng.getrandbits(64) - (1 << 63) for _ in range(512)]
+    per_worker = -(-target_entries // workers) - 2 * len(shared)
+    own = -(-per_worker * 100 // 155)  # 1.55 entries per own page
+    both, host_only = own * 55 // 100, own * 35 // 100
+    disk_only = max(0, per_worker - 2 * both - host_only)
+    out: dict[str, dict[Tier, list[int]]] = {}
+    for w in range(workers):
+        pages = [rng.getrandbits(64) - (1 << 63) for _ in range(both + host_only + disk_only)]
+        device = shared + pages[:both]
+        out[f"worker-{w:03d}"] = {Tier.DEVICE: device, Tier.HOST: device + pages[both:both + host_only],
+                                  Tier.DISK: pages[both + host_only:]}
+    return out
+
+
+def _index_memory(holdings: dict[str, dict[Tier, list[int]]]) -> dict[str, float]:
+    """The index's memory per (page, tier) entry, built the way a bootstrap builds it (page keys
+    from the scan decoded, then stored), traced from before the first page int exists."""
+    from kvtier.router.tier_index import TierIndex
+
+    blobs = [(worker, tier, struct.pack(f">{len(pages)}q", *pages).hex())
+             for worker, by_tier in holdings.items() for tier, pages in by_tier.items()]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        index = TierIndex()
+        for worker, tier, blob in blobs:
+            index.store(worker, tier, page_keys_to_hashes(blob))
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return {"index_scale_entries": index.entries, "index_scale_pages": len(index._pages),
+            "index_bytes_per_entry": round((current - base) / index.entries, 1),
+            "index_peak_bytes_per_entry": round((peak - base) / index.entries, 1),
+            "index_scale_mib": round((current - base) / 2 ** 20, 1)}
+
+
+def _seed_scale(client: redis.Redis, holdings: dict[str, dict[Tier, list[int]]], page_size: int,
+                chunk: int = 16_384) -> None:
+    """The state through the processor's apply code, one batch per worker (events of at most
+    `chunk` pages)."""
+    writer = TierStateWriter(client)
+    for worker, by_tier in holdings.items():
+        meta = WorkerMetadata(worker_id=worker, model=SCALE_MODEL, page_size=page_size)
+        writer.announce(WorkerAnnounce(metadata=meta, ts=time.time(), lease_ttl_s=3600.0,
+                                       cursor=BridgeCursor(epoch=1, seq=0)))
+        events = [PagesStored(tier=tier, hashes=pages[i:i + chunk])
+                  for tier, pages in by_tier.items() for i in range(0, len(pages), chunk)]
+        writer.apply(EventBatch(worker_id=worker, model=SCALE_MODEL, epoch=1, seq=1, ts=time.time(),
+                                source_ts=time.time(), events=events))
+
+
+async def _bootstrap(redis_url: str, tokens: list[int]) -> dict[str, float]:
+    """A router created on the big state: time to its first decision read from its index."""
+    import redis.asyncio
+
+    from kvtier.router.core import Router, RouterSettings
+    from kvtier.router.metrics import RouterMetrics
+
+    client = redis.asyncio.Redis.from_url(redis_url)
+    started = time.perf_counter()
+    router = Router(client, RouterSettings(state_source="mirror"), RouterMetrics(), rng=random.Random(1))
+    try:
+        not_ready = await _wait_index_ready(router, tokens, SCALE_MODEL)
+        elapsed = time.perf_counter() - started
+        assert router.mirror is not None
+        health = router.mirror.health()[0]
+        return {"bootstrap_s_1m": round(elapsed, 3), "bootstrap_last_s_1m": health.last_bootstrap_seconds,
+                "bootstrap_entries_1m": health.entries, "bootstrap_not_ready_decisions": not_ready}
+    finally:
+        await router.close()
+        await client.aclose()
+
+
+# --- index lag under a write load ----------------------------------------------------------
+def _lag_writer(redis_url: str, rate: float, seconds: float, workers: int, batch_pages: int, seed: int,
+                ready, go, out) -> None:
+    """A processor-like writer (its own process, client and TierStateWriter): `rate` page
+    transitions/s for `seconds`, as `batch_pages`-page batches of one store or remove each,
+    sent when due (pipelined when several are), round robin over `workers` workers."""
+    rng = random.Random(seed)
+    client = redis.Redis.from_url(redis_url)
+    writer = TierStateWriter(client)
+    names = [f"lag-worker-{w:03d}" for w in range(workers)]
+    seq = dict.fromkeys(names, 0)
+    held: dict[str, list[tuple[Tier, list[int]]]] = {w: [] for w in names}
+
+    def batch(worker: str, events) -> EventBatch:
+        seq[worker] += 1
+        now = time.time()
+        return EventBatch(worker_id=worker, model=LAG_MODEL, epoch=1, seq=seq[worker], ts=now, source_ts=now,
+                          events=events)
+
+    for worker in names:
+        meta = WorkerMetadata(worker_id=worker, model=LAG_MODEL, page_size=64)
+        writer.announce(WorkerAnnounce(metadata=meta, ts=time.time(), lease_ttl_s=3600.0,
+                                       cursor=BridgeCursor(epoch=1, seq=0)))
+    writer.apply_many([batch(w, [PagesStored(tier=Tier.DEVICE, hashes=[rng.getrandbits(63)])]) for w in names])
+    ready.set()
+    go.wait()
+    per_s = rate / batch_pages
+    sent = transitions = 0
+    statuses: dict[str, int] = {}
+    start = time.perf_counter()
+    while (now := time.perf_counter() - start) < seconds:
+        due = min(int(now * per_s) + 1 - sent, 64)
+        if due <= 0:
+            time.sleep(min(0.002, (sent / per_s) - now))
+            continue
+        batches = []
+        for _ in range(due):
+            worker = names[sent % workers]
+            sent += 1
+            if len(held[worker]) >= 8:  # steady state: a store, then a remove, of 128 pages each
+                tier, pages = held[worker].pop(0)
+                batches.append(batch(worker, [PagesRemoved(tier=tier, hashes=pages)]))
+            else:
+                tier = rng.choice((Tier.DEVICE, Tier.HOST))
+                pages = [rng.getrandbits(64) - (1 << 63) for _ in range(batch_pages)]
+                held[worker].append((tier, pages))
+                batches.append(batch(worker, [PagesStored(tier=tier, hashes=pages)]))
+        for result in writer.apply_many(batches):
+            transitions += result.transitions
+            statuses[result.status.name] = statuses.get(result.status.name, 0) + 1
+    out.put({"batches": sent, "transitions": transitions, "elapsed_s": time.perf_counter() - start,
+             "statuses": statuses})
+    client.close()
+
+
+async def _index_lag(redis_url: str, args) -> dict[str, object]:
+    import redis.asyncio
+
+    from kvtier.router.mirror import ModelMirror
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_lag_writer, args=(redis_url, args.lag_rate, args.lag_seconds, args.workers,
+                                                  args.request_pages, args.seed, ready, go, out), daemon=True)
+    proc.start()
+    client = redis.asyncio.Redis.from_url(redis_url)
+    lags_ms: list[float] = []
+
+    def applied(change: TierChange) -> None:
+        lags_ms.append(time.time() * 1000 - change.written_ms)
+
+    mirror = ModelMirror(client, ModelKeys.for_model(LAG_MODEL).model_token, on_applied=applied)
+    try:
+        if not await asyncio.to_thread(ready.wait, 60):
+            raise SystemExit("the lag writer did not start")
+        mirror.start()
+        deadline = time.monotonic() + 30
+        while not mirror.ready:
+            if time.monotonic() > deadline:
+                raise SystemExit("the lag model's index was not ready after 30s")
+            await asyncio.sleep(0.01)
+        lags_ms.clear()
+        go.set()
+        written = await asyncio.to_thread(out.get, True, args.lag_seconds + 60)
+        last = await client.xrevrange(mirror.keys.changes, count=1)
+        last_id = last[0][0].decode() if last else "0-0"
+        deadline = time.monotonic() + 10
+        while mirror.position != last_id and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        behind = mirror.position != last_id
+    finally:
+        await mirror.stop()
+        await client.aclose()
+        proc.join(10)
+    if not lags_ms:
+        raise SystemExit("the lag model's index applied no entry")
+    return {"index_lag_p50_ms": round(statistics.median(lags_ms), 2),
+            "index_lag_p99_ms": round(_quantile(lags_ms, 0.99), 2),
+            "index_lag_max_ms": round(max(lags_ms), 2),
+            "index_lag_entries": len(lags_ms),
+            "index_lag_transitions_per_s": round(written["transitions"] / written["elapsed_s"]),
+            "index_lag_target_per_s": args.lag_rate,
+            "index_lag_batches": written["batches"], "index_lag_batches_applied": written["statuses"].get("APPLIED", 0),
+            "index_lag_behind_at_end": behind, "index_bootstraps_during_lag": mirror.bootstraps - 1}
+
+
+# --- several router replicas -----------------------------------------------------------------
+def _replica(redis_url: str, conversations: list[list[int]], requests: list[int], concurrency: int,
+             seconds: float, name: str, ready, go, out) -> None:
+    import uvloop
+
+    async def main():
+        import redis.asyncio
+
+        from kvtier.router.core import Router, RouterSettings
+        from kvtier.router.metrics import RouterMetrics
+
+        client = redis.asyncio.Redis.from_url(redis_url)
+        router = Router(client, RouterSettings(state_source="mirror"), RouterMetrics(), rng=random.Random(name))
+        try:
+            await _wait_index_ready(router, conversations[0])
+            for _ in range(20):
+                await router.route(RouteRequest(model=MODEL, token_ids=conversations[0], book=False))
+            await asyncio.to_thread(ready.wait)
+            await asyncio.to_thread(go.wait)
+            done = not_ready = 0
+            start = time.perf_counter()
+            deadline = start + seconds
+            turn = iter(range(1 << 62))
+
+            async def client_loop():
+                nonlocal done, not_ready
+                while time.perf_counter() < deadline:
+                    i = next(turn)
+                    outcome = await router.route(RouteRequest(
+                        model=MODEL, token_ids=conversations[requests[i % len(requests)]], request_id=f"{name}-{i}"))
+                    not_ready += NOT_READY in outcome.response.degraded
+                    await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
+                    done += 1
+
+            await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+            out.put({"done": done, "elapsed_s": time.perf_counter() - start, "not_ready": not_ready})
+        finally:
+            await router.close()
+            await client.aclose()
+
+    uvloop.run(main())
+
+
+def _replicas(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, object]:
+    """`args.replicas` router processes, each with its own index, deciding concurrently for
+    `args.replica_seconds` against the same Redis."""
+    n = args.replicas
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, out = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_replica, args=(redis_url, state.conversations, requests, args.concurrency,
+                                                args.replica_seconds, f"r{k}", ready, go, out), daemon=True)
+             for k in range(n)]
+    for proc in procs:
+        proc.start()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ready.wait(300)  # every replica's index ready
+        cost = RedisCost(client)
+        before = cost.snapshot()
+        go.set()
+        results = [out.get(timeout=args.replica_seconds + 120) for _ in procs]
+        after = cost.snapshot()
+        done = sum(r["done"] for r in results)
+        spent = RedisCost.per_decision((after[0] - before[0], after[1] - before[1]), done)
+    finally:
+        for proc in procs:
+            proc.join(10)
+        client.close()
+    return {"replicas": n, "replicas_decisions_per_s": round(done / max(r["elapsed_s"] for r in results)),
+            "replicas_decisions_per_s_each": [round(r["done"] / r["elapsed_s"]) for r in results],
+            **{f"replicas_{k}": v for k, v in spent.items()},
+            "replicas_index_not_ready_decisions": sum(r["not_ready"] for r in results)}
 
 
 def run_route_bench(args) -> int:
@@ -182,31 +593,91 @@ def run_route_bench(args) -> int:
     }
     import uvloop
 
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    keep: dict = {}
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
         entries = state.seed(client, rng, MooncakeLayout() if args.shared_pool else None)
         results["page_tier_entries"] = entries
-        print(f"seeded {args.workers} workers, {entries:,} page-tier entries", file=sys.stderr)
-        plain = uvloop.run(_in_process(state, server.url, requests, args.concurrency))
+        say(f"seeded {args.workers} workers, {entries:,} page-tier entries")
+        both = uvloop.run(_in_process(state, server.url, requests, args.concurrency, sources=("mirror", "redis"),
+                                      keep=keep))
+        plain, walked = both["mirror"], both["redis"]
         results.update(plain)
-        print(f"in-process: p50 {plain['p50_ms']} ms, p99 {plain['p99_ms']} ms, "
-              f"{plain['decisions_per_s']} decisions/s (hashing p50 {plain['hashing_p50_ms']} ms)", file=sys.stderr)
+        say(f"in-process, index (mirror): p50 {plain['p50_ms']} ms, p99 {plain['p99_ms']} ms, "
+            f"{plain['decisions_per_s']} decisions/s, Redis CPU {plain['redis_cpu_us_per_decision']} us/decision "
+            f"(hashing p50 {plain['hashing_p50_ms']} ms; {plain['index_not_ready_decisions']} measured decisions "
+            f"not from the index)")
+        results.update({f"redis_{k}": v for k, v in walked.items()
+                        if k in ("p50_ms", "p99_ms", "mean_ms", "decisions_per_s", "redis_cpu_us_per_decision",
+                                 "redis_process_cpu_us_per_decision")})
+        say(f"in-process, walk in Redis: p50 {walked['p50_ms']} ms, p99 {walked['p99_ms']} ms, "
+            f"{walked['decisions_per_s']} decisions/s, Redis CPU {walked['redis_cpu_us_per_decision']} us/decision")
+        results.update(_lookup(state, keep.pop("index"), requests))
+        say(f"index lookup (hash + overlaps, {args.workers} workers): p50 {results['lookup_p50_ms']} ms, "
+            f"p99 {results['lookup_p99_ms']} ms; overlaps alone p50 {results['walk_p50_ms']} ms")
+        if args.replicas > 1:
+            rep = _replicas(state, server.url, requests, args)
+            results.update(rep)
+            say(f"{args.replicas} router processes: {rep['replicas_decisions_per_s']} decisions/s in all "
+                f"{rep['replicas_decisions_per_s_each']}, Redis CPU {rep['replicas_redis_cpu_us_per_decision']} "
+                "us/decision")
         if args.shared_pool:
             shared = _with_shared_pool(state, server.url, requests, args)
             results.update({f"shared_{k}": v for k, v in shared.items()})
-        http = _http_rate(state, server.url, requests, args)
-        results.update(http)
+        if not args.no_http:
+            http = _http_rate(state, server.url, requests, args)
+            results.update(http)
         client.close()
+    if args.scale_entries or args.lag_rate:
+        _at_scale(args, results, say)
     dynamo = _dynamo_find_matches(state, requests)
     if dynamo:
         results.update(dynamo)
         results["p50_vs_dynamo"] = round(results["p50_ms"] / dynamo["dynamo_find_matches_p50_ms"], 2)
+        results["lookup_p50_vs_dynamo"] = round(results["lookup_p50_ms"] / dynamo["dynamo_find_matches_p50_ms"], 2)
     else:
-        print("Dynamo side-by-side skipped: pip install -e '.[bench-dynamo]'", file=sys.stderr)
+        say("Dynamo side-by-side skipped: pip install -e '.[bench-dynamo]'")
     _print_table(results)
     if args.json:
         print(json.dumps(results))
     return 0
+
+
+def _at_scale(args, results: dict, say) -> None:
+    """The 1M-entry index (memory, bootstrap) and the lag under writes, on a Redis server of
+    their own (the routers above never see these models)."""
+    import uvloop
+
+    if args.scale_entries:
+        holdings = scale_holdings(random.Random(args.seed), args.workers, args.scale_entries)
+        memory = _index_memory(holdings)
+        results.update(memory)
+        say(f"index at scale: {memory['index_scale_entries']:,} entries ({memory['index_scale_pages']:,} pages), "
+            f"{memory['index_bytes_per_entry']} bytes/entry ({memory['index_scale_mib']} MiB; peak while "
+            f"building {memory['index_peak_bytes_per_entry']} bytes/entry)")
+    with RedisServer() as server:
+        if args.scale_entries:
+            client = redis.Redis.from_url(server.url)
+            started = time.perf_counter()
+            _seed_scale(client, holdings, args.page_size)
+            client.close()
+            del holdings
+            say(f"seeded {SCALE_MODEL} in {time.perf_counter() - started:.1f}s")
+            tokens = [random.Random(args.seed).randrange(1, 150_000)
+                      for _ in range(args.request_pages * args.page_size)]
+            boot = uvloop.run(_bootstrap(server.url, tokens))
+            results.update(boot)
+            say(f"bootstrap: {boot['bootstrap_entries_1m']:,} entries, first decision from the index "
+                f"{boot['bootstrap_s_1m']} s after Router() (the bootstrap itself {boot['bootstrap_last_s_1m']} s)")
+        if args.lag_rate:
+            lag = uvloop.run(_index_lag(server.url, args))
+            results.update(lag)
+            say(f"index lag at {lag['index_lag_transitions_per_s']:,} transitions/s: p50 {lag['index_lag_p50_ms']} "
+                f"ms, p99 {lag['index_lag_p99_ms']} ms, max {lag['index_lag_max_ms']} ms over "
+                f"{lag['index_lag_entries']} entries (stream ids: ms resolution)")
 
 
 def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
@@ -232,7 +703,8 @@ def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], ar
             async def run():
                 pool = SharedPoolClient(master.http_url, timeout_s=0.5)
                 try:
-                    return await _in_process(state, redis_url, requests, args.concurrency, shared_pool=pool)
+                    return (await _in_process(state, redis_url, requests, args.concurrency,
+                                              shared_pool=pool))["mirror"]
                 finally:
                     await pool.close()
 
@@ -268,6 +740,16 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
                 if proc.proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"router did not start: {proc.tail()}") from None
                 time.sleep(0.1)
+        # A router reading an index routes from it once built: wait for it, as for the others.
+        token = ModelKeys.for_model(MODEL).model_token
+        while True:
+            health = json.loads(urllib.request.urlopen(base + "/healthz", timeout=1).read())
+            if health.get("state_source") != "mirror" or any(
+                    i["model"] == token and i["ready"] for i in health.get("indexes", [])):
+                break
+            if proc.proc.poll() is not None or time.monotonic() > deadline + 60:
+                raise SystemExit(f"the router's index was not ready: {proc.tail()}")
+            time.sleep(0.05)
 
         async def load():
             import aiohttp
@@ -306,16 +788,44 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
 
 
 def _print_table(results: dict) -> None:
-    rows = [("decision p50 / p99 (ms)", f"{results['p50_ms']} / {results['p99_ms']}"),
-            ("decisions/s (in-process, concurrent)", results["decisions_per_s"]),
-            ("request hashing p50 (ms)", results["hashing_p50_ms"]),
-            ("Redis CPU per decision (ms, incl. release)", results["redis_ms_per_decision"])]
+    def both(key: str) -> str:
+        return f"{results[key]}  |  {results['redis_' + key]}" if "redis_" + key in results else f"{results[key]}"
+
+    rows = [("in-process, state source:", "mirror  |  redis"),
+            ("decision p50 (ms)", both("p50_ms")),
+            ("decision p99 (ms)", both("p99_ms")),
+            ("decisions/s (concurrent)", both("decisions_per_s")),
+            ("Redis time per decision (us, commandstats, incl. release)", both("redis_cpu_us_per_decision")),
+            ("Redis process CPU per decision (us, INFO cpu)", both("redis_process_cpu_us_per_decision")),
+            ("measured decisions not from the index", results.get("index_not_ready_decisions", "-")),
+            ("request hashing p50 (ms)", results["hashing_p50_ms"])]
+    if "lookup_p50_ms" in results:
+        rows.append(("index lookup p50 / p99 (ms, hash + overlaps)",
+                     f"{results['lookup_p50_ms']} / {results['lookup_p99_ms']}"))
+        rows.append(("index overlaps alone p50 / p99 (ms)", f"{results['walk_p50_ms']} / {results['walk_p99_ms']}"))
+    if "replicas_decisions_per_s" in results:
+        rows.append((f"{results['replicas']} router processes: decisions/s (each)",
+                     f"{results['replicas_decisions_per_s']} {results['replicas_decisions_per_s_each']}"))
+        rows.append(("  Redis time / process CPU per decision (us)",
+                     f"{results['replicas_redis_cpu_us_per_decision']} / "
+                     f"{results['replicas_redis_process_cpu_us_per_decision']}"))
     if "shared_p50_ms" in results:
         rows.append(("with shared pool p50 / p99 (ms)", f"{results['shared_p50_ms']} / {results['shared_p99_ms']}"))
         rows.append(("with shared pool decisions/s", results["shared_decisions_per_s"]))
     if "http_decisions_per_s" in results:
         rows.append(("over HTTP decisions/s", results["http_decisions_per_s"]))
         rows.append(("over HTTP p50 / p99 (ms)", f"{results['http_p50_ms']} / {results['http_p99_ms']}"))
+    if "index_bytes_per_entry" in results:
+        rows.append(("index bytes per entry (entries)",
+                     f"{results['index_bytes_per_entry']} ({results['index_scale_entries']:,})"))
+    if "bootstrap_s_1m" in results:
+        rows.append(("bootstrap to first index decision (s, entries)",
+                     f"{results['bootstrap_s_1m']} ({results['bootstrap_entries_1m']:,}; "
+                     f"bootstrap {results['bootstrap_last_s_1m']})"))
+    if "index_lag_p50_ms" in results:
+        rows.append(("index lag p50 / p99 (ms) at transitions/s",
+                     f"{results['index_lag_p50_ms']} / {results['index_lag_p99_ms']} at "
+                     f"{results['index_lag_transitions_per_s']:,}"))
     if "dynamo_find_matches_p50_ms" in results:
         rows.append(("Dynamo find_matches p50 / p99 (ms)",
                      f"{results['dynamo_find_matches_p50_ms']} / {results['dynamo_find_matches_p99_ms']}"))

@@ -59,6 +59,21 @@ def register(sub) -> None:
     route.add_argument("--http-concurrency", type=positive_int, default=32, help="Concurrent HTTP clients.")
     route.add_argument("--shared-pool", action="store_true",
                        help="Also measure with a real Mooncake master (needs a private network namespace).")
+    route.add_argument("--no-http", action="store_true", help="Skip the decisions over HTTP.")
+    route.add_argument("--replicas", type=positive_int, default=1,
+                       help="Above 1: also run this many router processes (each its own index, decisions booked "
+                            "and released concurrently) against the same Redis: aggregate decisions/s and Redis "
+                            "CPU per decision.")
+    route.add_argument("--replica-seconds", type=positive_float, default=5.0,
+                       help="How long each of the --replicas processes decides.")
+    route.add_argument("--scale-entries", type=int, default=1_000_000,
+                       help="(page, tier) entries of the at-scale state (HiCache-like shape over --workers): the "
+                            "index's bytes per entry (tracemalloc), and a router's bootstrap from Redis holding it "
+                            "(0: skip both).")
+    route.add_argument("--lag-rate", type=non_negative_float, default=100_000.0,
+                       help="Page transitions/s a writer process applies (128-page store/remove batches) while an "
+                            "index follows the change feed: index lag p50/p99 (0: skip).")
+    route.add_argument("--lag-seconds", type=positive_float, default=5.0, help="Duration of the lag phase.")
     route.add_argument("--seed", type=int, default=1)
     route.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     add_common(route)
