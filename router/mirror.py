@@ -3,7 +3,7 @@ built from Redis and kept current from the model's change feed (schemas/changes.
 
 Redis stays the one authoritative state; an index is a derived read view of it, exact at a
 feed position. Bootstrap: note the feed's position (its last entry and change number) and
-the marker's id in one transaction, scan every worker's pages set, then apply the feed from
+the marker's id in one script call (feed_position.lua), scan every worker's pages set, then apply the feed from
 the noted position. Set operations are idempotent, so entries the scan already saw apply
 again harmlessly, and the result is the state at the feed position reached. Then XREAD
 BLOCK keeps it current.
@@ -71,6 +71,7 @@ class ModelMirror:
         self._metrics = metrics
         self._block_ms = block_ms
         self._scan = client.register_script(load_lua("kvtier.router", "scan_pages.lua"))
+        self._position = client.register_script(load_lua("kvtier.router", "feed_position.lua"))
         self.index = TierIndex()
         self.ready = False
         self.marker_id = ""
@@ -126,17 +127,18 @@ class ModelMirror:
                     log.warning("model %s: reading the change feed failed (%s: %s); retrying", self.model_token,
                                 type(exc).__name__, exc)
                     await asyncio.sleep(RETRY_S)
+            except Exception:  # a follower that died would leave decisions walking in Redis for good
+                log.exception("model %s: the index follower failed; building the index again", self.model_token)
+                self._rebuild_reason = "error"
+                self._set_ready(False)
+                await asyncio.sleep(RETRY_S)
 
     # --- building -------------------------------------------------------------------------
     async def bootstrap(self, reason: str) -> None:
         started = time.perf_counter()
         keys = self.keys
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hget(keys.incarnation, "id")
-        pipe.get(keys.changes_counter)
-        pipe.xrevrange(keys.changes, count=1)
-        pipe.smembers(keys.workers)
-        marker, counter, last, workers = await pipe.execute()
+        marker, counter, last_id, workers = await self._position(
+            keys=[keys.incarnation, keys.changes_counter, keys.changes, keys.workers])
         index = TierIndex()
         for worker in sorted(as_text(w) for w in workers):
             cursor: bytes | str = "0"
@@ -148,9 +150,9 @@ class ModelMirror:
                 if as_text(cursor) == "0":
                     break
         self.index = index
-        self.marker_id = as_text(marker or b"")
-        self.position = as_text(last[0][0]) if last else "0-0"
-        self.change = int(counter or 0)
+        self.marker_id = as_text(marker)
+        self.position = as_text(last_id)
+        self.change = int(counter)
         await self._catch_up()
         self.bootstraps += 1
         self.last_bootstrap_reason = reason
