@@ -78,6 +78,7 @@ class OverlapReader:
     def __init__(self, client, root: str = DEFAULT_ROOT):
         """`client`: a redis.asyncio client. `root`: the key root to read (live state; `kvtier
         replay explain` reads a rebuilt state under a scratch root)."""
+        self._client = client
         self._script = client.register_script(load_lua("kvtier.router", "read_overlap.lua"))
         self._root = root
 
@@ -85,6 +86,8 @@ class OverlapReader:
                    now_ms: int | None = None, walk: bool = True) -> Views:
         """`walk=False`: who is live, stale, at which page size and how loaded, with every
         overlap 0 (the in-memory index supplies them)."""
+        if not walk:
+            return await self._read_without_walk(model, pages_by_size, now_ms)
         keys = ModelKeys.for_model(model, self._root)
         args: list[str | int] = [keys.base, now_ms if now_ms is not None else int(time.time() * 1000), FIRST_CHUNK]
         for size, pages in pages_by_size.items():
@@ -99,6 +102,35 @@ class OverlapReader:
         views.rebuilding = bool(flat[0])
         views.marker_id = as_text(flat[1])
         views.feed_change = int(flat[2])
+        return views
+
+    async def _read_without_walk(self, model: str, pages_by_size: Mapping[int, RequestPages],
+                                 now_ms: int | None) -> Views:
+        """The same answer as the script's with nothing to walk, from plain commands in one
+        round trip: a script pays for every value it passes in or out (BENCHMARKS.md), and
+        without the walk nothing here needs to be atomic (the booking re-reads the loads
+        atomically; leases, stale flags and page sizes change seldom)."""
+        keys = ModelKeys.for_model(model, self._root)
+        now = now_ms if now_ms is not None else int(time.time() * 1000)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zrangebyscore(keys.leases, f"({now}", "+inf")
+        pipe.hgetall(keys.prefill_load)
+        pipe.hgetall(keys.decode_load)
+        pipe.smembers(keys.stale_workers)
+        pipe.hgetall(keys.page_sizes)
+        pipe.hmget(keys.incarnation, "ready", "rebuilding", "id")
+        pipe.get(keys.changes_counter)
+        live, prefill, decode, stale, sizes, (ready, rebuilding, marker_id), counter = await pipe.execute()
+        views = Views()
+        for raw in live:
+            size = int(sizes.get(raw) or 0)
+            status = (WorkerStatus.STALE if raw in stale
+                      else WorkerStatus.CANDIDATE if size in pages_by_size else WorkerStatus.UNHASHED)
+            views.append(WorkerView(as_text(raw), status, size, TierOverlap(), int(prefill.get(raw) or 0),
+                                    int(decode.get(raw) or 0)))
+        views.rebuilding = as_text(ready or b"") != "1" or as_text(rebuilding or b"") == "1"
+        views.marker_id = as_text(marker_id or b"")
+        views.feed_change = int(counter or 0)
         return views
 
 
