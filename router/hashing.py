@@ -4,11 +4,10 @@ keys of a page are `schemas/mooncake.py`'s `mooncake_object_keys`.)"""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, sglang_page_digests
+from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, block_hashes_of_keys, sglang_page_digests
 
 
 @dataclass(frozen=True)
@@ -37,4 +36,4 @@ class RequestPages:
 
     @property
     def hashes(self) -> tuple[BlockHash, ...]:
-        return tuple(BlockHash(h) for h in struct.unpack(f">{len(self.digests)}q", bytes.fromhex(self.keys_blob)))
+        return block_hashes_of_keys(self.keys_blob)

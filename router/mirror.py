@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping
 import redis.exceptions
 
 from kvtier.plumbing.lua_scripts import load_lua
-from kvtier.schemas.changes import MalformedChange, TierChange, decode_change, page_keys_to_hashes
+from kvtier.schemas.changes import MalformedChange, TierChange, decode_change
+from kvtier.schemas.hashes import block_hashes_of_keys
 from kvtier.schemas.router_health import IndexHealth
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text
 from kvtier.schemas.tiers import Tier
@@ -70,7 +71,6 @@ class ModelMirror:
         self.model_token = model_token
         self._metrics = metrics
         self._block_ms = block_ms
-        self._scan = client.register_script(load_lua("kvtier.router", "scan_pages.lua"))
         self._position = client.register_script(load_lua("kvtier.router", "feed_position.lua"))
         self.index = TierIndex()
         self.ready = False
@@ -140,15 +140,22 @@ class ModelMirror:
         marker, counter, last_id, workers = await self._position(
             keys=[keys.incarnation, keys.changes_counter, keys.changes, keys.workers])
         index = TierIndex()
-        for worker in sorted(as_text(w) for w in workers):
-            cursor: bytes | str = "0"
-            while True:
-                cursor, device, host, disk = await self._scan(keys=[keys.pages(worker)], args=[cursor, SCAN_COUNT])
-                for tier, blob in ((Tier.DEVICE, device), (Tier.HOST, host), (Tier.DISK, disk)):
-                    if blob:
-                        index.store(worker, tier, page_keys_to_hashes(blob))
-                if as_text(cursor) == "0":
-                    break
+        # Each scan step is asked for before the previous step's members are stored, so Redis
+        # scans while this process decodes.
+        todo = sorted(as_text(w) for w in workers)
+        step = asyncio.ensure_future(self._client.sscan(keys.pages(todo[0]), 0, count=SCAN_COUNT)) if todo else None
+        try:
+            while step is not None:
+                worker = todo[0]
+                cursor, members = await step
+                if int(cursor) == 0:
+                    todo.pop(0)
+                step = (asyncio.ensure_future(self._client.sscan(keys.pages(todo[0]), int(cursor), count=SCAN_COUNT))
+                        if todo else None)
+                _store_members(index, worker, members)
+        finally:
+            if step is not None and not step.done():
+                step.cancel()
         self.index = index
         self.marker_id = as_text(marker)
         self.position = as_text(last_id)
@@ -235,6 +242,23 @@ class ModelMirror:
                            marker_id=self.marker_id, entries=self.index.entries, lag_seconds=round(self.lag_s, 6),
                            bootstraps=self.bootstraps, last_bootstrap_reason=self.last_bootstrap_reason,
                            last_bootstrap_seconds=round(self.last_bootstrap_s, 4))
+
+
+#: Walked tiers and the first byte of their members in a pages set (schemas/state_keys.py).
+_MEMBER_TAGS = tuple((tier, ord(format(tier.bit, "x"))) for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK))
+
+
+def _store_members(index: TierIndex, worker: str, members) -> None:
+    """Pages-set members (tier digit + page key) as SSCAN returns them, into the index; the
+    external tier is left out (the walk never reads it)."""
+    if not members:
+        return
+    if isinstance(members[0], str):
+        members = [m.encode() for m in members]
+    for tier, tag in _MEMBER_TAGS:
+        blob = b"".join([m[1:] for m in members if m[0] == tag])
+        if blob:
+            index.store(worker, tier, block_hashes_of_keys(blob))
 
 
 class TierMirror:

@@ -10,7 +10,9 @@ few integer operations per page: O(request pages + workers) for a request. The e
 is not indexed (the walk never reads it; the shared pool answers for it).
 
 Slots are reused: a worker whose last page goes gives its slot back, so the ints stay as
-wide as the number of workers that hold pages now, not of every worker ever seen.
+wide as the number of workers that hold pages now, not of every worker ever seen. Equal
+masks are stored as one int object (most pages share a handful of holder patterns), which
+saves an int's 28-40 bytes per page; the table of them is bounded.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from kvtier.schemas.tiers import Tier
 #: Tier -> bit offset within a worker's three bits, in walk order.
 TIER_OFFSET: dict[Tier, int] = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 _SLOT_BITS = 0b111
+#: Distinct masks kept for sharing; past it the table starts over (stored masks stay valid).
+_MAX_SHARED_MASKS = 1 << 16
 
 
 class TierIndex:
@@ -37,6 +41,7 @@ class TierIndex:
         self._next_slot = 0
         self._entries_of: dict[str, int] = {}  # worker -> its (page, tier) entries
         self.entries = 0  # (page, tier) entries over every worker
+        self._masks: dict[int, int] = {}
 
     # --- writes ---------------------------------------------------------------------------
     def apply(self, change: TierChange) -> None:
@@ -54,11 +59,11 @@ class TierIndex:
         if tier not in TIER_OFFSET:
             return
         bit = 1 << (3 * self._slot(worker) + TIER_OFFSET[tier])
-        table, added = self._pages, 0
+        table, added, shared = self._pages, 0, self._shared_mask
         for page in pages:
             old = table.get(page, 0)
             if not old & bit:
-                table[page] = old | bit
+                table[page] = shared(old | bit)
                 added += 1
         self._count(worker, added)
 
@@ -74,7 +79,7 @@ class TierIndex:
                 if old == bit:
                     del table[page]
                 else:
-                    table[page] = old ^ bit
+                    table[page] = self._shared_mask(old ^ bit)
                 removed += 1
         self._count(worker, -removed)
 
@@ -90,10 +95,19 @@ class TierIndex:
             for page in [p for p, bits in table.items() if bits & mask]:
                 rest = table[page] & ~mask
                 if rest:
-                    table[page] = rest
+                    table[page] = self._shared_mask(rest)
                 else:
                     del table[page]
         self._count(worker, -self._entries_of.get(worker, 0))
+
+    def _shared_mask(self, mask: int) -> int:
+        masks = self._masks
+        found = masks.get(mask)
+        if found is None:
+            if len(masks) >= _MAX_SHARED_MASKS:
+                masks.clear()
+            found = masks[mask] = mask
+        return found
 
     def _slot(self, worker: str) -> int:
         slot = self._slot_of.get(worker)

@@ -21,7 +21,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from .hashes import BlockHash
+from .hashes import BlockHash, block_hashes_of_keys
 from .state_keys import as_text
 from .tiers import TIER_BITS, Tier
 
@@ -82,11 +82,10 @@ def decode_ops(text: str) -> tuple[ChangeOp, ...]:
         if len(part) < 2 or part[0] not in "SR" or part[1] not in _TIER_OF_DIGIT or (len(part) - 2) % 16:
             raise MalformedChange(f"bad op {part[:40]!r}")
         try:
-            raw = bytes.fromhex(part[2:])
+            pages = block_hashes_of_keys(part[2:])
         except ValueError:
             raise MalformedChange(f"bad page keys in op {part[:40]!r}") from None
-        ops.append(ChangeOp(ChangeKind(part[0]), _TIER_OF_DIGIT[part[1]],
-                            tuple(BlockHash(h) for h in struct.unpack(f">{len(raw) // 8}q", raw))))
+        ops.append(ChangeOp(ChangeKind(part[0]), _TIER_OF_DIGIT[part[1]], pages))
     return tuple(ops)
 
 
@@ -100,10 +99,3 @@ def decode_change(entry_id: bytes | str, fields: dict) -> TierChange:
     if not n.isdigit():
         raise MalformedChange(f"entry {as_text(entry_id)} has n={n[:20]!r}")
     return TierChange(as_text(entry_id), int(n), worker, decode_ops(ops))
-
-
-def page_keys_to_hashes(blob: str | bytes) -> tuple[BlockHash, ...]:
-    """Concatenated PageKeys (16 hex digits each) as BlockHashes."""
-    raw = bytes.fromhex(as_text(blob))
-    return tuple(BlockHash(h) for h in struct.unpack(f">{len(raw) // 8}q", raw))
-

@@ -8,7 +8,7 @@ import hashlib
 import struct
 import sys
 from collections.abc import Sequence
-from typing import Annotated, NewType
+from typing import Annotated, NewType, cast
 
 import msgspec
 
@@ -37,6 +37,12 @@ def page_key(block_hash: BlockHash) -> PageKey:
 def page_keys_blob(block_hashes: Sequence[BlockHash]) -> str:
     """All page keys concatenated (16 hex digits each), the form the apply script reads."""
     return struct.pack(f">{len(block_hashes)}q", *block_hashes).hex()
+
+
+def block_hashes_of_keys(blob: str | bytes) -> tuple[BlockHash, ...]:
+    """Concatenated PageKeys (16 hex digits each) as BlockHashes, in order."""
+    raw = bytes.fromhex(blob.decode() if isinstance(blob, bytes) else blob)
+    return cast("tuple[BlockHash, ...]", struct.unpack(f">{len(raw) // 8}q", raw))
 
 
 def block_hash_from_page_key(key: PageKey | str) -> BlockHash:

@@ -51,9 +51,9 @@ import redis
 from kvtier.bench import clients
 from kvtier.consumers.apply import TierStateWriter
 from kvtier.harness.embedded import RedisServer
-from kvtier.schemas.changes import TierChange, page_keys_to_hashes
+from kvtier.schemas.changes import TierChange
 from kvtier.schemas.events import BridgeCursor, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
-from kvtier.schemas.hashes import sglang_block_hashes, sglang_page_digests
+from kvtier.schemas.hashes import block_hashes_of_keys, sglang_block_hashes, sglang_page_digests
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
@@ -356,7 +356,7 @@ def _index_memory(holdings: dict[str, dict[Tier, list[int]]]) -> dict[str, float
         tracemalloc.reset_peak()
         index = TierIndex()
         for worker, tier, blob in blobs:
-            index.store(worker, tier, page_keys_to_hashes(blob))
+            index.store(worker, tier, block_hashes_of_keys(blob))
         current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
