@@ -18,6 +18,11 @@ consumes them unchanged. Requests come over HTTP:
         "now" the simulated clock moves on by the wall time since the previous request, so a
         client that sends SGLang's plain body (e.g. `kvtier probe hicache`) sees device->host
         copies land as on a real server.
+  POST /w/<rank>/v1/completions, /w/<rank>/v1/chat/completions   (with --tokenizer) the
+        OpenAI-compatible API as SGLang serves it: text and chats tokenized with the same files
+        a router reads (kvtier/plumbing/tokenizer.py), served like /generate, answered in
+        OpenAI's format (streamed as server-sent events with "stream": true), the prompt's
+        cached tokens in usage.prompt_tokens_details (SGLang's --enable-cache-report)
   POST /advance            {"now": <sim seconds>}  completes due device->host copies
   POST /flush_cache        empties every rank's device and host pools, as SGLang's /flush_cache
                            does (each rank publishes AllBlocksCleared); /w/<rank>/flush_cache: one rank
@@ -48,10 +53,26 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
+from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
 from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, SimConfig
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import PageDigest
 from kvtier.schemas.mooncake import BatchQueryReply, KeyStatus
+from kvtier.schemas.openai import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatReply,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIError,
+    OpenAIErrorBody,
+    PromptTokensDetails,
+    Usage,
+    decode_chat_request,
+    decode_completion_request,
+)
 from kvtier.schemas.routing import ErrorBody
 from kvtier.schemas.sglang_server import CachedTokensDetails, GenerateMetaInfo, GenerateReply
 from kvtier.schemas.sim import AdvanceBody, AdvanceReply, FlushReply, RankTiers, SimGenerateBody, SimHealth
@@ -70,6 +91,8 @@ class SimWorkerConfig:
     l3_pages: int | None = None
     mooncake_rpc: str = ""  # with l3: a real Mooncake master (host:port) instead of the in-memory pool
     mooncake_metadata: str = ""
+    tokenizer: str = ""  # a tokenizer folder: serve the OpenAI-compatible API
+    model: str = "sim"  # the model name OpenAI answers carry
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -153,6 +176,11 @@ def json_response(body: msgspec.Struct | RankTiers, status: int = 200) -> web.Re
     return web.Response(body=_json.encode(body), status=status, content_type="application/json")
 
 
+def _openai_error(status: int, message: str) -> web.Response:
+    return web.Response(body=_json.encode(OpenAIErrorBody(error=OpenAIError(message=message, code=status))),
+                        status=status, content_type="application/json")
+
+
 def pool_query_response(pool, request: web.Request) -> web.Response:
     """`GET /batch_query_keys?keys=k1,k2` answered from `pool` in the Mooncake master's format."""
     raw = request.query.get("keys", "")
@@ -185,6 +213,7 @@ class SimWorkers:
         self._now = 0.0
         self._wall = time.monotonic()  # when self._now was last moved: untimed requests advance from it
         self._latest_served = [float("-inf")] * config.ranks  # per rank: the latest request time served
+        self.tokenizer = ModelTokenizer.load(config.tokenizer) if config.tokenizer else None
 
     def _tick(self, now: float | None) -> float:
         """The simulated time of a request: its own `now`, or, without one, the clock moved on
@@ -225,6 +254,79 @@ class SimWorkers:
             recomputed_tokens=result.recomputed_tokens, queue_s=result.queue_s, ttft_s=result.ttft_s,
             e2e_latency=result.complete_at - now, arrived_behind_s=behind)))
 
+    # --- the OpenAI-compatible API ---------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        rank = int(request.match_info["rank"])
+        if not 0 <= rank < len(self.sims):
+            raise web.HTTPNotFound(reason=f"no rank {rank}; this sim-worker has {len(self.sims)}")
+        try:
+            raw = await request.read()
+            body: ChatCompletionRequest | CompletionRequest = (decode_chat_request(raw) if chat
+                                                               else decode_completion_request(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _openai_error(400, f"invalid body: {exc}")
+        tokenizer = self.tokenizer
+        if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
+            tokens = body.prompt
+        elif tokenizer is None:
+            return _openai_error(400, "this sim-worker has no tokenizer (start it with --tokenizer)")
+        elif isinstance(body, ChatCompletionRequest):
+            try:
+                tokens = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            except ChatTemplateError as exc:
+                return _openai_error(400, str(exc))
+        else:
+            tokens = tokenizer.encode_prompt(body.prompt)  # type: ignore[arg-type]  # str here
+        budget = body.output_budget or 16
+        async with self._lock:
+            now = self._tick(None)
+            self._latest_served[rank] = max(self._latest_served[rank], now)
+            result = self.sims[rank].serve(tokens, now, budget)
+            self._flush(rank)
+        cached = (result.device_hit_pages + result.host_hit_pages + result.l3_hit_pages) * self.config.sim.page_size
+        usage = Usage(prompt_tokens=len(tokens), completion_tokens=budget, total_tokens=len(tokens) + budget,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
+        text = " ok" * budget
+        ident, created, model = f"sim-{rank}-{time.monotonic_ns()}", int(time.time()), body.model or self.config.model
+        if not body.stream:
+            if chat:
+                reply: msgspec.Struct = ChatCompletionResponse(
+                    id=ident, created=created, model=model, usage=usage, choices=[ChatChoice(
+                        message=ChatReply(role="assistant", content=text), finish_reason="length")])
+            else:
+                reply = CompletionResponse(id=ident, created=created, model=model, usage=usage,
+                                           choices=[CompletionChoice(text=text, finish_reason="length")])
+            return web.Response(body=_json.encode(reply), content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if chat:
+            chunks: list[msgspec.Struct] = [
+                ChatCompletionResponse(id=ident, object="chat.completion.chunk", created=created, model=model,
+                                       choices=[ChatChoice(delta=ChatReply(role="assistant", content=text))]),
+                ChatCompletionResponse(id=ident, object="chat.completion.chunk", created=created, model=model,
+                                       choices=[ChatChoice(delta=ChatReply(), finish_reason="length")])]
+            if body.stream_options and body.stream_options.include_usage:
+                chunks.append(ChatCompletionResponse(id=ident, object="chat.completion.chunk", created=created,
+                                                     model=model, choices=[], usage=usage))
+        else:
+            chunks = [CompletionResponse(id=ident, created=created, model=model,
+                                         choices=[CompletionChoice(text=text)]),
+                      CompletionResponse(id=ident, created=created, model=model,
+                                         choices=[CompletionChoice(finish_reason="length")])]
+            if body.stream_options and body.stream_options.include_usage:
+                chunks.append(CompletionResponse(id=ident, created=created, model=model, choices=[], usage=usage))
+        for chunk in chunks:
+            await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
     async def advance(self, request: web.Request) -> web.Response:
         body = _advance_body.decode(await request.read())
         async with self._lock:
@@ -262,6 +364,8 @@ class SimWorkers:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)
         app.router.add_post("/w/{rank}/generate", self.generate)
+        app.router.add_post("/w/{rank}/v1/completions", self.completions)
+        app.router.add_post("/w/{rank}/v1/chat/completions", self.chat_completions)
         app.router.add_get("/w/{rank}/tiers", self.tiers)
         app.router.add_post("/advance", self.advance)
         app.router.add_post("/flush_cache", self.flush_cache)

@@ -77,4 +77,7 @@ class RouterMetrics:
         self.index_ready = Gauge("router_index_ready",
                                  "1 while the model's index follows the feed (decisions read it), 0 while it "
                                  "bootstraps (decisions walk in Redis)", ["model"], registry=r)
+        self.tokenize_seconds = Histogram("router_tokenize_seconds",
+                                          "Tokenizing an OpenAI-API request (chat template included), in the pool",
+                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.state_store_up.set(1)

@@ -3,10 +3,14 @@
   POST /v1/route      {"model", "token_ids", "request_id"?, "overrides"?, "max_new_tokens"?, "book"?}
   POST /v1/release    {"model", "request_id", "stage": "first_token" | "complete"}
   POST /generate      (--proxy) SGLang's native API with input_ids: routed, forwarded, streamed back
+  POST /v1/completions, /v1/chat/completions, GET /v1/models
+                      (--proxy) the OpenAI-compatible API: text is tokenized here with the model's
+                      own tokenizer and chat template (--tokenizer), then as /generate
   GET  /healthz       what this replica can reach, and whether it routes degraded
   GET  /metrics       Prometheus
 
-Every refusal is a 4xx/5xx with {"error": "<what is wrong>"}; a decision made without some
+Every refusal is a 4xx/5xx with {"error": "<what is wrong>"} (on the OpenAI paths, OpenAI's
+shape: {"error": {"message", "type", "param", "code"}}); a decision made without some
 input says so in the `X-Kvtier-Degraded` header and the body's `degraded` list.
 With --auth-token every endpoint but /healthz (and /metrics, unless --protect-metrics) needs
 `Authorization: Bearer <token>`: 401 without it or with another one.
@@ -15,6 +19,7 @@ With --auth-token every endpoint but /healthz (and /metrics, unless --protect-me
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import random
@@ -25,7 +30,16 @@ import msgspec
 from aiohttp import ClientSession, ClientTimeout, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
 from kvtier.schemas.limits import guarded
+from kvtier.schemas.openai import (
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    OpenAIErrorBody,
+    decode_chat_request,
+    decode_completion_request,
+)
 from kvtier.schemas.router_health import (
     DecisionLogHealth,
     HashSchemeHealth,
@@ -63,12 +77,25 @@ class ServiceSettings:
     #: `Authorization: Bearer <auth_token>`
     auth_token: str = field(default="", repr=False)
     protect_metrics: bool = False
+    #: model name -> folder of its tokenizer files (tokenizer.json, tokenizer_config.json)
+    tokenizers: dict[str, str] = field(default_factory=dict)
 
 
-def _error(status: int, message: str, metrics=None) -> web.Response:
+#: Paths whose refusals take OpenAI's error shape.
+_OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+_OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                       429: "rate_limit_error"}
+
+
+def _error(status: int, message: str, metrics=None, openai: bool = False) -> web.Response:
     if metrics is not None and 400 <= status < 500:
         metrics.bad_requests.labels(str(status)).inc()
-    return web.Response(status=status, body=_json.encode(ErrorBody(message)), content_type="application/json")
+    if openai:
+        kind = _OPENAI_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        body: msgspec.Struct = OpenAIErrorBody(error=OpenAIError(message=message, type=kind, code=status))
+    else:
+        body = ErrorBody(message)
+    return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
 class Refused(Exception):
@@ -101,6 +128,9 @@ class RouterService:
         self.metrics = router.metrics
         self._session: ClientSession | None = None
         self._housekeeping: asyncio.Task | None = None
+        # Loaded at start (a bad folder stops the router there, not at the first request).
+        self._tokenizers = {model: ModelTokenizer.load(path) for model, path in settings.tokenizers.items()}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-tokenize")
 
     def app(self) -> web.Application:
         # One middleware (auth, then refusals as JSON errors): aiohttp wraps each in a coroutine
@@ -112,6 +142,9 @@ class RouterService:
         app.router.add_get("/metrics", self.metrics_page)
         if self.settings.proxy:
             app.router.add_post("/generate", self.generate)
+            app.router.add_post("/v1/completions", self.completions)
+            app.router.add_post("/v1/chat/completions", self.chat_completions)
+            app.router.add_get("/v1/models", self.models)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -126,6 +159,7 @@ class RouterService:
         await self.router.close()
         if self._session is not None:
             await self._session.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _housekeeping_loop(self) -> None:
         while True:
@@ -164,18 +198,20 @@ class RouterService:
             refused = self._refuse_unauthorized(request, token)
             if refused is not None:
                 return refused
+        openai = request.path in _OPENAI_PATHS
         try:
             return await handler(request)
         except Refused as exc:
-            return _error(exc.status, exc.message, self.metrics)
+            return _error(exc.status, exc.message, self.metrics, openai)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body larger than {self.settings.max_body_bytes} bytes", self.metrics)
+            return _error(413, f"request body larger than {self.settings.max_body_bytes} bytes", self.metrics,
+                          openai)
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return _error(exc.status, exc.reason or exc.text or "bad request", self.metrics)
+                return _error(exc.status, exc.reason or exc.text or "bad request", self.metrics, openai)
             raise
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _error(400, f"invalid request body: {exc}", self.metrics)
+            return _error(400, f"invalid request body: {exc}", self.metrics, openai)
 
     # --- /v1/route ----------------------------------------------------------------------
     def _check_tokens(self, count: int, field: str) -> None:
@@ -267,16 +303,96 @@ class RouterService:
             raise Refused(400, "no model: send \"model\" in the body or start the router with --model")
         route = RouteRequest(model=model, token_ids=body.input_ids, request_id=body.rid,
                              max_new_tokens=body.sampling_params.max_new_tokens or 0)
+        return await self._forward(request, raw, route, "/generate")
+
+    # --- the OpenAI-compatible API (proxy mode) ------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if not raw:
+            raise Refused(400, "empty body: send a JSON object")
+        body = decode_completion_request(raw)
+        model = self._model_of(body.model)
+        if isinstance(body.prompt, list):
+            tokens = body.prompt  # token ids: routed as they are
+        else:
+            tokenizer = self._tokenizer(model)
+            tokens = await self._off_loop(tokenizer.encode_prompt, body.prompt)
+        self._check_tokens(len(tokens), "prompt")
+        route = RouteRequest(model=model, token_ids=tokens, max_new_tokens=body.output_budget)
+        return await self._forward(request, raw, route, "/v1/completions", openai=True)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if not raw:
+            raise Refused(400, "empty body: send a JSON object")
+        body = decode_chat_request(raw)
+        model = self._model_of(body.model)
+        tokenizer = self._tokenizer(model)
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in body.messages]
+        try:
+            tokens = await self._off_loop(tokenizer.encode_chat, messages)
+        except ChatTemplateError as exc:
+            raise Refused(400, str(exc)) from None
+        self._check_tokens(len(tokens), "messages")
+        route = RouteRequest(model=model, token_ids=tokens, max_new_tokens=body.output_budget)
+        return await self._forward(request, raw, route, "/v1/chat/completions", openai=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The models whose workers have announced (and hold a live lease)."""
+        names: set[str] = set()
+        directory_of = self.router.directory
+        try:
+            for token in await directory_of.known_models():
+                names.update(meta.model for meta in (await directory_of.get(token)).workers.values())
+        except Exception as exc:  # noqa: BLE001 - without Redis: the models last seen live
+            log.warning("listing models without the state store (%s): the last known ones", exc)
+            for model in self.router.models_seen:
+                cached = directory_of.cached(model)
+                if cached is not None:
+                    names.update(meta.model for meta in cached.workers.values())
+        return web.Response(body=_json.encode(ModelList(data=[ModelCard(id=name) for name in sorted(names)])),
+                            content_type="application/json")
+
+    def _model_of(self, named: str | None) -> str:
+        model = named or self.settings.default_model
+        if not model:
+            raise Refused(400, "no model: send \"model\" in the body or start the router with --model")
+        return model
+
+    def _tokenizer(self, model: str) -> ModelTokenizer:
+        tokenizer = self._tokenizers.get(model)
+        if tokenizer is None:
+            known = ", ".join(sorted(self._tokenizers)) or "none"
+            raise Refused(400, f"no tokenizer for model {model!r} (this router has: {known}); start it with "
+                               f"--tokenizer {model}=PATH, the folder of the model's tokenizer.json")
+        return tokenizer
+
+    async def _off_loop(self, fn, argument):
+        """Tokenization in the pool, so a long prompt never stalls other requests' decisions."""
+        started = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, argument)
+        finally:
+            self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+
+    # --- forwarding -----------------------------------------------------------------------
+    async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest, path: str,
+                       openai: bool = False) -> web.StreamResponse:
+        """Route, then send the body unchanged to the chosen worker's `path` and stream its answer
+        back; the booking is released at the first chunk (prefill done) and at the end, also
+        when the client goes away (aiohttp cancels this handler, which closes the upstream)."""
+        model = route.model
         try:
             outcome = await self.router.route(route)
         except RoutingError as exc:
-            return _error(exc.status, str(exc), self.metrics)
+            return _error(exc.status, str(exc), self.metrics, openai)
         decision = outcome.response
         if not decision.worker_url:
             await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
             self.metrics.proxy_requests.labels("no_worker_url").inc()
             return _error(502, f"worker {decision.worker_id} announced no HTTP endpoint (start its bridge with "
-                               "--worker-url)")
+                               "--worker-url)", None, openai)
         if self._session is None:
             self._session = ClientSession(timeout=ClientTimeout(total=self.settings.proxy_timeout_s))
         headers = {"X-Kvtier-Worker": decision.worker_id, "X-Kvtier-Request-Id": decision.request_id}
@@ -285,7 +401,7 @@ class RouterService:
         first_token_released = False
         response: web.StreamResponse | None = None
         try:
-            async with self._session.post(decision.worker_url.rstrip("/") + "/generate", data=raw,
+            async with self._session.post(decision.worker_url.rstrip("/") + path, data=raw,
                                           headers={"Content-Type": "application/json"}) as upstream:
                 response = web.StreamResponse(status=upstream.status, headers=headers)
                 response.content_type = upstream.content_type
@@ -303,11 +419,10 @@ class RouterService:
             self.metrics.proxy_requests.labels("unreachable").inc()
             if response is None:
                 return _error(502, f"worker {decision.worker_id} at {decision.worker_url} failed: "
-                                   f"{type(exc).__name__}: {exc}")
+                                   f"{type(exc).__name__}: {exc}", None, openai)
             raise
         finally:
             await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
-
 
 async def run_router_service(router: Router, settings: ServiceSettings, host: str, port: int,
                              stop: asyncio.Event, ready=None) -> None:

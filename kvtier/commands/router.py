@@ -55,6 +55,11 @@ def register(sub) -> None:
     r.add_argument("--proxy", action="store_true",
                    help="Also serve SGLang's /generate: route, forward to the worker, stream the answer back.")
     r.add_argument("--model", default="", help="Model of proxied requests that name none.")
+    r.add_argument("--tokenizer", action="append", default=[], type=_model_and_path, metavar="MODEL=PATH",
+                   help="With --proxy: the folder of MODEL's tokenizer files (tokenizer.json, tokenizer_config.json "
+                        "with its chat template), read from disk only, e.g. a snapshot in the local Hugging Face "
+                        "cache. The OpenAI API's text prompts and chats are tokenized with it exactly as SGLang "
+                        "does, so the router finds the pages the engine holds. Repeat for each model.")
     r.add_argument("--router-id", default="", help="Name in the decision log (default: random).")
     r.add_argument("--auth-token", default="",
                    help="Require 'Authorization: Bearer <token>' on every path but /healthz (/v1/route, "
@@ -107,7 +112,17 @@ async def _run_router(args, stop) -> None:
         predicted_pages=args.predicted_pages == "on", state_source=args.state_source,
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
+                                tokenizers=dict(args.tokenizer),
                                 protect_metrics=args.protect_metrics),
     )
     await run_router(config, stop, ready=lambda port: print(f"kvtier router listening on http://{args.host}:{port}",
                                                             flush=True))
+
+
+def _model_and_path(value: str) -> tuple[str, str]:
+    import argparse
+
+    model, sep, path = value.partition("=")
+    if not sep or not model or not path:
+        raise argparse.ArgumentTypeError(f"expected MODEL=PATH, got {value!r}")
+    return model, path

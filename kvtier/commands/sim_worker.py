@@ -34,6 +34,10 @@ def register(sub) -> None:
                    help="With --l3: a real Mooncake master's RPC address (host:port) to write and find pages in.")
     w.add_argument("--mooncake-metadata", default="",
                    help="With --mooncake-rpc: the master's HTTP metadata URL (http://host:port/metadata).")
+    w.add_argument("--tokenizer", default="",
+                   help="A tokenizer folder (tokenizer.json, tokenizer_config.json): also serve the OpenAI-compatible "
+                        "API (/w/<rank>/v1/completions, /w/<rank>/v1/chat/completions), tokenizing as SGLang does.")
+    w.add_argument("--model", default="sim", help="The model name the OpenAI answers carry.")
     add_common(w)
     w.set_defaults(run=run)
 
@@ -50,5 +54,6 @@ def run(args) -> None:
         raise SystemExit("kvtier sim-worker: --mooncake-rpc needs --l3 and --mooncake-metadata")
     config = SimWorkerConfig(ranks=args.ranks, port=args.port, replay_port=args.replay_port,
                              http_port=args.http_port, host=args.host, sim=sim, l3_pages=args.l3_pages,
-                             mooncake_rpc=args.mooncake_rpc, mooncake_metadata=args.mooncake_metadata)
+                             mooncake_rpc=args.mooncake_rpc, mooncake_metadata=args.mooncake_metadata,
+                             tokenizer=args.tokenizer, model=args.model)
     run_until_signal(lambda stop: run_sim_worker(config, stop))

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible front door (`kvtier router --proxy --tokenizer MODEL=PATH`), driven by
+the official `openai` client through the real pipeline: two `kvtier sim-worker`s serving the
+same OpenAI API and tokenizing with the same files, their bridges, NATS, a processor, Redis
+and two router replicas. The tokenizer (a word-level `tokenizers` model with a BOS
+post-processor and a chat template) is built here and saved to a folder both sides load."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from kvtier.harness.embedded import free_port
+from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
+from kvtier.producers.sim_worker import free_port_block
+
+from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
+from .router_helpers import RouterProcess, answers, http
+
+MODEL = "org/chat-model"
+PAGE = 4
+SPECIAL = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+WORDS = [f"w{i}" for i in range(400)] + ["hello", "there", "again", "ok", "tell", "me", "more"]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+            "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+            "<|{{ m['role'] }}|> {{ m['content'] }} </s>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SYSTEM = " ".join(f"w{i}" for i in range(160))  # a long shared system prompt: 40+ pages
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    vocab = {token: i for i, token in enumerate(["[UNK]", *SPECIAL, *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIAL)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE}))
+    return folder
+
+
+def test_the_tokenizer_applies_bos_and_the_chat_template_as_sglang_does(tokenizer_dir):
+    tok = ModelTokenizer.load(tokenizer_dir)
+    ids = {t: i for i, t in enumerate(["[UNK]", *SPECIAL, *WORDS])}
+    # a text prompt: the post-processor's BOS; a chat: the template writes its own BOS, none added
+    assert tok.encode_prompt("hello there") == [ids["<s>"], ids["hello"], ids["there"]]
+    chat = tok.encode_chat([{"role": "user", "content": "hello"}])
+    assert chat == [ids["<s>"], ids["<|user|>"], ids["hello"], ids["</s>"], ids["<|assistant|>"]]
+    # a final assistant turn is continued: its text appended without a second BOS
+    cont = tok.encode_chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "ok"}])
+    assert cont == chat + [ids["ok"]]
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        tok.encode_chat([{"role": "tool", "content": "x"}])
+
+
+class Stack:
+    def __init__(self, nats_url: str, redis_url: str, redis_client, tokenizer_dir):
+        self.processes: list = []
+        self.client = redis_client
+        self.processor = processor_process(nats_url, redis_url)
+        self.processes.append(self.processor)
+        self.workers: dict[str, str] = {}
+        for name in ("a", "b"):
+            zmq, replay, port = free_port_block(1), free_port_block(1), free_port()
+            self.processes.append(KvtierProcess(
+                "sim-worker", "--port", str(zmq), "--replay-port", str(replay), "--http-port", str(port),
+                "--page-size", str(PAGE), "--device-pages", "512", "--tokenizer", str(tokenizer_dir),
+                "--model", MODEL))
+            url = f"http://127.0.0.1:{port}/w/0"
+            wait_until(lambda port=port: answers(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+            self.processes.append(KvtierProcess(
+                "bridge", "--endpoint", f"tcp://127.0.0.1:{zmq}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
+                "--worker-id", name, "--model", MODEL, "--page-size", str(PAGE), "--nats", nats_url,
+                "--worker-url", url, "--heartbeat", "1"))
+            self.workers[name] = url
+        for name in self.workers:
+            wait_until(lambda name=name: worker_announced(redis_client, MODEL, name), timeout=30)
+        self.routers = [RouterProcess(redis_url, "--proxy", "--tokenizer", f"{MODEL}={tokenizer_dir}",
+                                      "--max-request-tokens", "2000") for _ in range(2)]
+        self.processes += self.routers
+
+    def openai(self, router: int) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.routers[router].url + "/v1", api_key="unused", max_retries=0)
+
+    def settled(self) -> None:
+        for r in self.routers:
+            r.wait_index_settled(self.client, MODEL)
+
+    def close(self) -> None:
+        stop_all(*reversed(self.processes))
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dir):
+    import redis
+
+    from kvtier.harness.embedded import NatsServer, RedisServer
+
+    with NatsServer() as nats, RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        s = Stack(nats.url, server.url, client, tokenizer_dir)
+        try:
+            yield s
+        finally:
+            s.close()
+            client.close()
+
+
+def test_models_lists_what_workers_announced(stack):
+    assert [m.id for m in stack.openai(0).models.list().data] == [MODEL]
+
+
+def test_a_chat_sharing_a_long_system_prompt_lands_where_it_is_cached(stack, tokenizer_dir):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}]
+    raw = stack.openai(0).chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)
+    first = raw.parse()
+    holder = raw.headers["X-Kvtier-Worker"]
+    assert first.choices[0].message.content.strip().startswith("ok") and first.usage.prompt_tokens > 160
+    stack.settled()  # the worker's events are in every replica's index
+    second_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "tell me more"}]
+    # what the router sees for it (a dry run on the same tokens, tokenized here with the same files)
+    tokens = ModelTokenizer.load(tokenizer_dir).encode_chat(second_messages)
+    status, body, _ = http("POST", stack.routers[1].url + "/v1/route", {"model": MODEL, "token_ids": tokens,
+                                                                        "book": False})
+    assert status == 200 and body["worker_id"] == holder
+    o = body["overlap"]
+    raw = stack.openai(1).chat.completions.with_raw_response.create(model=MODEL, messages=second_messages,
+                                                                     max_tokens=4)
+    second = raw.parse()
+    assert raw.headers["X-Kvtier-Worker"] == holder  # the other replica sends it to the same worker
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 160  # the system prompt's pages
+    # the router saw exactly what the worker then reported: its tokens are the engine's
+    assert (o["device"] + o["host"] + o["disk"]) * PAGE == cached
+    health = http("GET", stack.routers[1].url + "/healthz")[1]
+    assert health["hash_scheme"]["ok"], health["hash_scheme"]
+
+
+def test_streaming_and_plain_completions_with_text_and_token_ids(stack):
+    client = stack.openai(0)
+    chunks = list(client.completions.create(model=MODEL, prompt=SYSTEM + " again", max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices).strip().startswith("ok")
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 162  # BOS + 161 words
+    plain = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=2)
+    assert plain.usage.prompt_tokens == 8  # token ids pass through unchanged
+    streamed_chat = list(stack.openai(1).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed_chat if c.choices).strip() == "ok ok"
+    # every booking was given back
+    wait_until(lambda: not stack.client.hgetall(f"kvt:{{{MODEL.replace('/', '_')}}}:load:decode"), timeout=10)
+
+
+def test_bad_requests_get_openai_shaped_4xx(stack):
+    client = stack.openai(0)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="no-such-model", prompt=[1, 2, 3], max_tokens=1)
+    assert "no-such-model" in unknown.value.message
+    with pytest.raises(openai.BadRequestError, match="no tokenizer for model"):
+        client.completions.create(model="no-such-model", prompt="hello", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="unknown role tool"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x",
+                                                               "tool_call_id": "1"}], max_tokens=1)
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.completions.create(model=MODEL, prompt=" ".join(["hello"] * 2500), max_tokens=1)
+    assert too_long.value.status_code == 413
+    status, body, _ = http("POST", stack.routers[0].url + "/v1/chat/completions", b'{"model": "x", "messages": 3}')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "messages" in body["error"]["message"]
