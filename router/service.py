@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
@@ -415,11 +415,19 @@ class RouterService:
                 await response.write_eof()
                 self.metrics.proxy_requests.labels("ok" if upstream.status == 200 else "worker_error").inc()
                 return response
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, asyncio.TimeoutError, ClientPayloadError) as exc:
             self.metrics.proxy_requests.labels("unreachable").inc()
+            failure = f"worker {decision.worker_id} at {decision.worker_url} failed: {type(exc).__name__}: {exc}"
             if response is None:
-                return _error(502, f"worker {decision.worker_id} at {decision.worker_url} failed: "
-                                   f"{type(exc).__name__}: {exc}", None, openai)
+                return _error(502, failure, None, openai)
+            if openai and response.content_type == "text/event-stream":
+                # The stream has begun (status 200 sent): end it with an error event, which
+                # OpenAI clients raise, instead of a connection cut short.
+                error = OpenAIErrorBody(error=OpenAIError(message=f"{failure} (mid-stream)", type="server_error",
+                                                          code=502))
+                await response.write(b"data: " + _json.encode(error) + b"\n\ndata: [DONE]\n\n")
+                await response.write_eof()
+                return response
             raise
         finally:
             await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
@@ -427,7 +435,9 @@ class RouterService:
 async def run_router_service(router: Router, settings: ServiceSettings, host: str, port: int,
                              stop: asyncio.Event, ready=None) -> None:
     service = RouterService(router, settings)
-    runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away cancels its handler, so a proxied request
+    # stops its upstream request and gives its booking back at once.
+    runner = web.AppRunner(service.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

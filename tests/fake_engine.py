@@ -1,6 +1,7 @@
 """A stand-in for an SGLang engine's HTTP side, for proxy tests only (no GPU here): `/generate`
 with `input_ids`, streaming SSE chunks (`data: {...}` then `data: [DONE]`) or one JSON body,
-like SGLang's native API. It records what it received and can hold its first chunk until
+like SGLang's native API, and `/v1/completions` with token-id prompts, streamed. It records
+what it received and can hold its first chunk until
 released, so a test can observe the router's bookings at each stage. Run as a process:
 `python -m tests.fake_engine PORT`."""
 
@@ -35,12 +36,41 @@ def build_app(hold_file: str | None = None) -> web.Application:
         await response.write_eof()
         return response
 
+    cancelled: list[int] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        """OpenAI's /v1/completions with token-id prompts: streamed chunks, held after the first
+        (with a hold file) until the file exists; counts requests whose client went away."""
+        body = await request.json()
+        received.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(int(body.get("max_tokens") or 3)):
+                chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body.get("model", ""),
+                         "choices": [{"index": 0, "text": " x", "finish_reason": None}]}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if i == 0 and hold_file:
+                    while not _exists(hold_file):
+                        await asyncio.sleep(0.02)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            cancelled.append(1)
+            raise
+        return response
+
     async def seen(request: web.Request) -> web.Response:
         return web.json_response(received)
 
+    async def gone(request: web.Request) -> web.Response:
+        return web.json_response(len(cancelled))
+
     app = web.Application()
     app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/seen", seen)
+    app.router.add_get("/cancelled", gone)
     return app
 
 
@@ -53,4 +83,5 @@ def _exists(path: str) -> bool:
 if __name__ == "__main__":
     port = int(sys.argv[1])
     hold = sys.argv[2] if len(sys.argv) > 2 else None
-    web.run_app(build_app(hold), host="127.0.0.1", port=port, print=None, handle_signals=True)
+    web.run_app(build_app(hold), host="127.0.0.1", port=port, print=None, handle_signals=True,
+                handler_cancellation=True)  # a router that goes away cancels the request, as SGLang sees it

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from kvtier.harness.embedded import free_port
 from kvtier.schemas.state_keys import ModelKeys
 
@@ -100,3 +102,42 @@ def test_proxy_refuses_bad_requests_and_reports_dead_workers(redis_client, redis
         assert 'router_proxy_requests_total{outcome="unreachable"} 1.0' in router.metrics()
     finally:
         stop_all(router)
+
+
+def test_openai_streams_end_cleanly_when_the_worker_dies_or_the_client_leaves(redis_client, redis_server, tmp_path):
+    """Through the OpenAI path: a client that goes away mid-stream cancels the upstream request
+    and gives its booking back; a worker that dies mid-stream ends the client's stream with an
+    error event the `openai` client raises, and the booking is given back too."""
+    import signal
+
+    import openai
+
+    hold = str(tmp_path / "never")  # the engines hold after their first chunk for good
+    engine = EngineProcess(hold)
+    tokens = request_tokens(8, 4)
+    seeder = StateSeeder(redis_client, MODEL)
+    seeder.worker("w", 4, tokens, device=2, url=engine.url)
+    router = RouterProcess(redis_server.url, "--proxy")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = client.completions.create(model=MODEL, prompt=tokens, max_tokens=5, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].text == " x"
+        wait_until(lambda: loads(redis_client, MODEL)[1] == {b"w": b"10"}, timeout=10)  # decode still booked
+        stream.close()  # the client goes away
+        wait_until(lambda: http("GET", engine.url + "/cancelled")[1] == 1, timeout=10,
+                   what="the upstream request to be cancelled")
+        wait_until(lambda: loads(redis_client, MODEL) == ({}, {}), timeout=10)
+
+        stream = client.completions.create(model=MODEL, prompt=tokens, max_tokens=5, stream=True)
+        chunks = iter(stream)
+        assert next(chunks).choices[0].text == " x"
+        engine.proc.send_signal(signal.SIGKILL)  # the worker dies mid-stream
+        engine.proc.wait(10)
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            next(chunks)
+        wait_until(lambda: loads(redis_client, MODEL) == ({}, {}), timeout=10)
+    finally:
+        stop_all(router)
+        if engine.proc.poll() is None:
+            engine.stop()
