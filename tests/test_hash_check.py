@@ -155,7 +155,8 @@ def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, re
             raw = redis_client.hgetall(keys.hash_check)
             return {k.decode(): decode_hash_check(v) for k, v in raw.items()}
 
-        wait_until(lambda: {"good", "bad"} <= set(recorded()) and recorded()["good"].checked == 16,
+        wait_until(lambda: {"good", "bad"} <= set(recorded()) and recorded()["good"].checked == 16
+                   and recorded()["bad"].checked == 16,  # each is recorded when its worker's batch applies
                    timeout=20, what=lambda: f"{recorded()}\n{processor.output()[-2000:]}")
         checks = recorded()
         assert checks["good"].ok and checks["good"].matched == 16
