@@ -17,7 +17,15 @@ from kvtier.schemas.health import HashMismatchKind, decode_hash_check
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
 
-from .helpers import bridge_process, kvtier_batch, processor_process, stop_all, wait_until, worker_announced
+from .helpers import (
+    bridge_process,
+    kvtier_batch,
+    model_ready,
+    processor_process,
+    stop_all,
+    wait_until,
+    worker_announced,
+)
 from .router_helpers import RouterProcess, http
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -180,11 +188,15 @@ def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, re
         assert "the engine uses another hash scheme" in router.output()
 
         # The consequence the check exists for: the bad worker's pages never match a request.
+        # (A fresh store's first model is set up as a rebuild: routers trust no overlap until it
+        # is done, which can be after both batches are applied.)
+        wait_until(lambda: model_ready(redis_client, MODEL), timeout=20)
+        router.wait_index_settled(redis_client, MODEL)
         status, answer, _ = http("POST", f"{router.url}/v1/route",
                                  {"model": MODEL, "token_ids": tokens, "book": False})
         assert status == 200, answer
         overlap = {c["worker_id"]: c["overlap"]["device"] for c in answer["candidates"]}
-        assert overlap == {"good": 16, "bad": 0}
+        assert overlap == {"good": 16, "bad": 0}, f"{answer}\n{router.output()[-3000:]}"
     finally:
         stop_all(router, *bridges, processor)
         good.close()
