@@ -462,8 +462,7 @@ class Router:
             return
         try:
             for model in await self.directory.known_models():
-                if model not in self.mirror.models:
-                    self.mirror.model(model)
+                self.mirror.model(model)  # starts the model's index once
         except Exception as exc:  # noqa: BLE001 - each index is built on first use instead
             if not quiet:
                 log.warning("could not list the store's models (%s); indexes are built on first use", exc)

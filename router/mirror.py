@@ -3,8 +3,8 @@ built from Redis and kept current from the model's change feed (schemas/changes.
 
 Redis stays the one authoritative state; an index is a derived read view of it, exact at a
 feed position. Bootstrap: note the feed's position (its last entry and change number) and
-the marker's id in one script call (feed_position.lua), scan every worker's pages set, then apply the feed from
-the noted position. Set operations are idempotent, so entries the scan already saw apply
+the marker's id in one script call (feed_position.lua), scan every worker's pages set, then
+apply the feed from the noted position. Set operations are idempotent, so entries the scan already saw apply
 again harmlessly, and the result is the state at the feed position reached. Then XREAD
 BLOCK keeps it current.
 
@@ -44,7 +44,7 @@ DEGRADED_INDEX_BEHIND = "index-behind"
 #: How long a decision waits for its index to reach the change number its read saw (seconds).
 CATCH_UP_WAIT_S = 0.05
 
-#: Members a bootstrap scan step asks SSCAN for (one Lua call, a few ms of Redis time at most).
+#: Members a bootstrap scan step asks SSCAN for (a few ms of Redis time at most).
 SCAN_COUNT = 20_000
 #: Entries read per XREAD.
 READ_COUNT = 1_000
@@ -288,12 +288,13 @@ class TierMirror:
 
 
 class MirroredOverlapReader:
-    """The decision's read with an index: who is live, stale and loaded from Redis (the same
-    script, with nothing to walk), the overlaps from the model's index once it has applied the
-    feed up to the change number that read saw, so a decision sees every write Redis had
-    when it was read, as the walk does (waiting up to `catch_up_s` for the follower; the
-    feed's lag is a few ms). Until the index is ready, when it stays behind, or when the
-    store's marker is not the one it was built under: the walk in Redis, said in `degraded`."""
+    """The decision's read with an index: who is live, stale and loaded from Redis (one round
+    trip of plain commands, `OverlapReader.read(walk=False)`), the overlaps from the model's
+    index once it has applied the feed up to the change number that read saw, so a decision
+    sees every write Redis had when it was read, as the walk does (waiting up to `catch_up_s`
+    for the follower; the feed's lag is a few ms). Until the index is ready, when it stays
+    behind, or when the store's marker is not the one it was built under: the walk in Redis,
+    said in `degraded`."""
 
     def __init__(self, client, mirror: TierMirror, walk: OverlapReader | None = None,
                  catch_up_s: float = CATCH_UP_WAIT_S):
@@ -304,21 +305,16 @@ class MirroredOverlapReader:
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages], now_ms: int | None = None) -> Views:
         index = self.mirror.model(ModelKeys.for_model(model).model_token)
         if not index.ready:
-            views = await self._redis.read(model, pages_by_size, now_ms)
-            views.degraded = DEGRADED_INDEX_NOT_READY
-            return views
+            return await self._walk(model, pages_by_size, now_ms, DEGRADED_INDEX_NOT_READY)
         views = await self._redis.read(model, pages_by_size, now_ms, walk=False)
         if views.marker_id != index.marker_id:
             index.request_rebuild("marker")
-            views = await self._redis.read(model, pages_by_size, now_ms)
-            views.degraded = DEGRADED_INDEX_NOT_READY
-            return views
+            return await self._walk(model, pages_by_size, now_ms, DEGRADED_INDEX_NOT_READY)
         if views.rebuilding:
             return views  # no overlap is trusted while the store's state is rebuilt
         if index.change < views.feed_change and not await index.reached(views.feed_change, self._catch_up_s):
-            views = await self._redis.read(model, pages_by_size, now_ms)
-            views.degraded = DEGRADED_INDEX_BEHIND if index.ready else DEGRADED_INDEX_NOT_READY
-            return views
+            return await self._walk(model, pages_by_size, now_ms,
+                                    DEGRADED_INDEX_BEHIND if index.ready else DEGRADED_INDEX_NOT_READY)
         by_size: dict[int, list[str]] = {}
         for view in views:
             if view.status is WorkerStatus.CANDIDATE and view.page_size in pages_by_size:
@@ -330,3 +326,10 @@ class MirroredOverlapReader:
                                v.decode_load) if v.worker_id in overlaps else v for v in views)
         out.rebuilding, out.marker_id, out.feed_change = views.rebuilding, views.marker_id, views.feed_change
         return out
+
+    async def _walk(self, model: str, pages_by_size: Mapping[int, RequestPages], now_ms: int | None,
+                    why: str) -> Views:
+        """The walk in Redis, for a decision the index cannot serve, saying why."""
+        views = await self._redis.read(model, pages_by_size, now_ms)
+        views.degraded = why
+        return views

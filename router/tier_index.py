@@ -18,7 +18,7 @@ saves an int's 28-40 bytes per page; the table of them is bounded.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvtier.schemas.changes import ChangeKind, TierChange
 from kvtier.schemas.hashes import BlockHash
@@ -36,7 +36,6 @@ class TierIndex:
     def __init__(self) -> None:
         self._pages: dict[BlockHash, int] = {}
         self._slot_of: dict[str, int] = {}
-        self._worker_of: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._entries_of: dict[str, int] = {}  # worker -> its (page, tier) entries
@@ -117,7 +116,6 @@ class TierIndex:
             else:
                 slot, self._next_slot = self._next_slot, self._next_slot + 1
             self._slot_of[worker] = slot
-            self._worker_of[slot] = worker
             self._entries_of[worker] = 0
         return slot
 
@@ -131,20 +129,13 @@ class TierIndex:
             return
         # Nothing left: give the slot back (its bits are all zero everywhere).
         slot = self._slot_of.pop(worker)
-        del self._worker_of[slot], self._entries_of[worker]
+        del self._entries_of[worker]
         heapq.heappush(self._free_slots, slot)
 
     # --- reads ----------------------------------------------------------------------------
     def workers(self) -> dict[str, int]:
         """worker -> its (page, tier) entries."""
         return dict(self._entries_of)
-
-    def tiers_of(self, worker: str, page: BlockHash) -> set[Tier]:
-        slot = self._slot_of.get(worker)
-        if slot is None:
-            return set()
-        bits = self._pages.get(page, 0) >> (3 * slot)
-        return {tier for tier, offset in TIER_OFFSET.items() if bits >> offset & 1}
 
     def pages_of(self, worker: str) -> dict[BlockHash, set[Tier]]:
         """A worker's pages and tiers (a full scan: for tests and tools)."""
@@ -205,8 +196,3 @@ class TierIndex:
             result[worker] = TierOverlap(device=device, host=host - device, disk=disk - host)
         return result
 
-
-def bulk_store(index: TierIndex, worker: str, by_tier: Mapping[Tier, Sequence[BlockHash]]) -> None:
-    """Load a worker's pages as a bootstrap scan read them."""
-    for tier, pages in by_tier.items():
-        index.store(worker, tier, pages)

@@ -18,7 +18,6 @@ of it, ends where applying it once to the state before it ends. Bootstrapping re
 from __future__ import annotations
 
 import enum
-import struct
 from dataclasses import dataclass
 
 from .hashes import BlockHash, block_hashes_of_keys
@@ -58,19 +57,6 @@ class TierChange:
 
 class MalformedChange(ValueError):
     """A feed entry kvtier's scripts would not write (a reader resyncs rather than guess)."""
-
-
-def encode_ops(ops: tuple[ChangeOp, ...] | list[ChangeOp]) -> str:
-    """The `o` field for ops (what changes.lua's callers write; for tests and tools)."""
-    parts = []
-    for op in ops:
-        if op.kind is ChangeKind.CLEAR:
-            parts.append("C")
-        else:
-            assert op.tier is not None
-            blob = struct.pack(f">{len(op.pages)}q", *op.pages).hex()
-            parts.append(f"{op.kind.value}{op.tier.bit:x}{blob}")
-    return ",".join(parts)
 
 
 def decode_ops(text: str) -> tuple[ChangeOp, ...]:
