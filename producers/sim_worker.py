@@ -278,7 +278,7 @@ class SimWorkers:
             return _openai_error(400, "this sim-worker has no tokenizer (start it with --tokenizer)")
         elif isinstance(body, ChatCompletionRequest):
             try:
-                tokens = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+                tokens = tokenizer.encode_chat([m.template_input() for m in body.messages])
             except ChatTemplateError as exc:
                 return _openai_error(400, str(exc))
         else:

@@ -33,12 +33,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
 from kvtier.schemas.limits import guarded
 from kvtier.schemas.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
     ModelCard,
     ModelList,
     OpenAIError,
     OpenAIErrorBody,
-    decode_chat_request,
-    decode_completion_request,
 )
 from kvtier.schemas.router_health import (
     DecisionLogHealth,
@@ -108,7 +108,8 @@ class Refused(Exception):
 
 #: One decoder per request type, built once (msgspec.json.decode(data, type=...) looks the type up on
 #: every call, and a lambda per request wrapped it).
-_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (RouteRequest, ReleaseRequest, GenerateRequest)}
+_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (RouteRequest, ReleaseRequest, GenerateRequest,
+                                                            CompletionRequest, ChatCompletionRequest)}
 
 
 def _decode(body: bytes, kind):
@@ -298,19 +299,15 @@ class RouterService:
         raw = await request.read()
         body = _decode(raw, GenerateRequest)
         self._check_tokens(len(body.input_ids), "input_ids")
-        model = body.model or self.settings.default_model
-        if not model:
-            raise Refused(400, "no model: send \"model\" in the body or start the router with --model")
+        model = self._model_of(body.model)
         route = RouteRequest(model=model, token_ids=body.input_ids, request_id=body.rid,
                              max_new_tokens=body.sampling_params.max_new_tokens or 0)
-        return await self._forward(request, raw, route, "/generate")
+        return await self._forward(request, raw, route)
 
     # --- the OpenAI-compatible API (proxy mode) ------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        if not raw:
-            raise Refused(400, "empty body: send a JSON object")
-        body = decode_completion_request(raw)
+        body = _decode(raw, CompletionRequest)
         model = self._model_of(body.model)
         if isinstance(body.prompt, list):
             tokens = body.prompt  # token ids: routed as they are
@@ -319,24 +316,21 @@ class RouterService:
             tokens = await self._off_loop(tokenizer.encode_prompt, body.prompt)
         self._check_tokens(len(tokens), "prompt")
         route = RouteRequest(model=model, token_ids=tokens, max_new_tokens=body.output_budget)
-        return await self._forward(request, raw, route, "/v1/completions", openai=True)
+        return await self._forward(request, raw, route)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        if not raw:
-            raise Refused(400, "empty body: send a JSON object")
-        body = decode_chat_request(raw)
+        body = _decode(raw, ChatCompletionRequest)
         model = self._model_of(body.model)
         tokenizer = self._tokenizer(model)
-        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
-                    for m in body.messages]
+        messages = [m.template_input() for m in body.messages]
         try:
             tokens = await self._off_loop(tokenizer.encode_chat, messages)
         except ChatTemplateError as exc:
             raise Refused(400, str(exc)) from None
         self._check_tokens(len(tokens), "messages")
         route = RouteRequest(model=model, token_ids=tokens, max_new_tokens=body.output_budget)
-        return await self._forward(request, raw, route, "/v1/chat/completions", openai=True)
+        return await self._forward(request, raw, route)
 
     async def models(self, request: web.Request) -> web.Response:
         """The models whose workers have announced (and hold a live lease)."""
@@ -377,12 +371,12 @@ class RouterService:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
 
     # --- forwarding -----------------------------------------------------------------------
-    async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest, path: str,
-                       openai: bool = False) -> web.StreamResponse:
-        """Route, then send the body unchanged to the chosen worker's `path` and stream its answer
-        back; the booking is released at the first chunk (prefill done) and at the end, also
-        when the client goes away (aiohttp cancels this handler, which closes the upstream)."""
-        model = route.model
+    async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest) -> web.StreamResponse:
+        """Route, then send the body unchanged to the same path on the chosen worker and stream
+        its answer back; the booking is released at the first chunk (prefill done)
+        and at the end, also when the client goes away (aiohttp cancels this handler, which
+        closes the upstream)."""
+        model, openai = route.model, request.path in _OPENAI_PATHS
         try:
             outcome = await self.router.route(route)
         except RoutingError as exc:
@@ -401,7 +395,7 @@ class RouterService:
         first_token_released = False
         response: web.StreamResponse | None = None
         try:
-            async with self._session.post(decision.worker_url.rstrip("/") + path, data=raw,
+            async with self._session.post(decision.worker_url.rstrip("/") + request.path, data=raw,
                                           headers={"Content-Type": "application/json"}) as upstream:
                 response = web.StreamResponse(status=upstream.status, headers=headers)
                 response.content_type = upstream.content_type

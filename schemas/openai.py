@@ -34,6 +34,13 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
             return "".join(part.text for part in self.content if part.type == "text")
         return self.content
 
+    def template_input(self) -> dict[str, str | None]:
+        """The message as a chat template sees it (the router and the engine alike)."""
+        turn: dict[str, str | None] = {"role": self.role, "content": self.text()}
+        if self.name:
+            turn["name"] = self.name
+        return turn
+
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
