@@ -278,7 +278,7 @@ class Router:
             degraded.append(views.degraded)
         if shared_error:
             degraded.append(DEGRADED_SHARED_POOL)
-        if getattr(views, "rebuilding", False):
+        if views.rebuilding:
             # The store lost this model's state and it is being rebuilt: what it holds is not
             # what the workers hold. Route on load alone, among every live worker.
             if not views:
