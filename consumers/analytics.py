@@ -307,7 +307,12 @@ class AnalyticsService:
     async def run(self, stop: asyncio.Event, ready=None) -> None:
         from aiohttp import web
 
-        from kvtier.plumbing.streams import StreamSettings, connect_nats, ensure_decisions_stream, ensure_streams
+        from kvtier.plumbing.streams import (
+            StreamSettings,
+            connect_nats,
+            ensure_decisions_stream,
+            ensure_streams_when_ready,
+        )
 
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
@@ -324,7 +329,8 @@ class AnalyticsService:
             if self.nc is None:
                 return
             js = self.nc.jetstream()
-            await ensure_streams(js, StreamSettings())
+            if await ensure_streams_when_ready(js, StreamSettings(), stop) is None:
+                return
             await ensure_decisions_stream(js)
             floors = {}
             for stream in STREAMS:

@@ -46,7 +46,7 @@ from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidato
 from kvtier.consumers.ownership import PartitionLeases, fair_share
 from kvtier.consumers.pull import PullStream, consume
 from kvtier.plumbing.connections import redact, redis_async_client, redis_client
-from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
+from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams_when_ready
 from kvtier.schemas.events import (
     ControlRequest,
     EventBatch,
@@ -207,7 +207,10 @@ class Processor:
             return
         self.js = self.nc.jetstream()
         try:
-            total = await ensure_streams(self.js, self.cfg.streams, partitions_explicit=self.cfg.partitions_explicit)
+            total = await ensure_streams_when_ready(self.js, self.cfg.streams, stop,
+                                                    partitions_explicit=self.cfg.partitions_explicit)
+            if total is None:
+                return
             self.total_partitions = total
             self.partitions = (self.cfg.partitions if self.cfg.partitions is not None and not self.cfg.auto_partitions
                                else list(range(total)))

@@ -26,7 +26,7 @@ import nats.js.errors
 import zmq.asyncio
 from prometheus_client import Counter, Gauge
 
-from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams
+from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams_when_ready
 from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp, split_to_fit
 from kvtier.producers.sglang_source import (
     RawBatch,
@@ -544,7 +544,9 @@ async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:
         return
     zctx = zmq.asyncio.Context()
     try:
-        await ensure_streams(nc.jetstream(), config.streams, partitions_explicit=config.partitions_explicit)
+        if await ensure_streams_when_ready(nc.jetstream(), config.streams, stop,
+                                           partitions_explicit=config.partitions_explicit) is None:
+            return
         bridges = [RankBridge(c, nc, zctx) for c in rank_configs(config)]
         runs = [asyncio.create_task(b.run()) for b in bridges]
         stopper = asyncio.create_task(stop.wait())

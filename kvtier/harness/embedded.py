@@ -185,6 +185,8 @@ class NatsServer(_Server):
     config_file: str = ""
     #: "tls" when the configuration requires TLS (only changes `url`)
     scheme: str = "nats"
+    #: False starts a server without JetStream (to test parts that must wait until it is there)
+    jetstream: bool = True
 
     @property
     def url(self) -> str:
@@ -194,12 +196,13 @@ class NatsServer(_Server):
         self.monitor_port = free_port()
         store = os.path.join(self.workdir, "jetstream")
         config = ["-c", self.config_file] if self.config_file else []
-        return [find_nats_server(), *config, "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(self.port),
+        jetstream = ["-js", "-sd", store] if self.jetstream else []
+        return [find_nats_server(), *config, *jetstream, "-a", "127.0.0.1", "-p", str(self.port),
                 "-m", str(self.monitor_port)]
 
     def _ready(self) -> bool:
         try:
-            url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+            url = f"http://127.0.0.1:{self.monitor_port}/healthz" + ("?js-enabled-only=true" if self.jetstream else "")
             with urllib.request.urlopen(url, timeout=0.5) as response:
                 return response.status == 200
         except OSError:

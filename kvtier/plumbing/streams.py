@@ -15,6 +15,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, SubjectTransform
@@ -162,6 +163,28 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings, *,
                        max_age=7 * 24 * 3600.0, storage=storage, num_replicas=settings.replicas)
     await _add_stream_if_missing(js, dlq)
     return existing
+
+
+async def ensure_streams_when_ready(js: JetStreamContext, settings: StreamSettings, stop: asyncio.Event, *,
+                                    partitions_explicit: bool = False, retry_s: float = 1.0) -> int | None:
+    """`ensure_streams`, waiting while JetStream cannot answer yet; returns None if `stop` is
+    set first. A server that is up but has no JetStream, a cluster still electing its meta
+    leader, or a new replicated stream still electing its own leader each either time out or
+    answer 503: these pass, so a part started before its broker is ready waits (with a
+    warning each time) instead of exiting. A refusal that retrying cannot change (a
+    partition mismatch, replicas the cluster cannot place) is raised at once."""
+    while True:
+        try:
+            return await ensure_streams(js, settings, partitions_explicit=partitions_explicit)
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+            reason = "timed out" if isinstance(exc, nats.errors.TimeoutError) else (
+                exc.description or "JetStream is not enabled or not ready")
+            log.warning("JetStream cannot set up the streams yet (%s); retrying in %.0fs", reason, retry_s)
+        try:
+            await asyncio.wait_for(stop.wait(), retry_s)
+            return None
+        except asyncio.TimeoutError:
+            pass
 
 
 #: JetStream's answers when a stream's replicas cannot be placed: a standalone server (10074),
