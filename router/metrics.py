@@ -7,6 +7,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
                     0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: What users feel: a first token within milliseconds (a cached prefix on a fast engine) to tens of
+#: seconds (a long prompt recomputed on a busy one).
+_USER_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 1.5, 2.5, 4.0, 6.0,
+                         10.0, 20.0, 40.0, 80.0)
 _PAGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
@@ -80,4 +84,24 @@ class RouterMetrics:
         self.tokenize_seconds = Histogram("router_tokenize_seconds",
                                           "Tokenizing an OpenAI-API request (chat template included), in the pool",
                                           buckets=_LATENCY_BUCKETS, registry=r)
+        # Proxied requests (--proxy): what the user feels, by the worker chosen, the routing mode
+        # (kv, load, round-robin, random) and the tier that held most of the chosen worker's
+        # overlap (device, host, disk, shared; none without overlap), so modes can be A/B-ed live.
+        user_labels = ["worker", "mode", "tier"]
+        self.ttft = Histogram("router_ttft_seconds",
+                              "Proxied request received to its first byte back from the worker (time to first "
+                              "token as the client sees it, less the network to the client)", user_labels,
+                              buckets=_USER_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("router_request_seconds",
+                                         "Proxied request received to its last byte back from the worker",
+                                         user_labels, buckets=_USER_LATENCY_BUCKETS, registry=r)
+        self.proxy_overhead = Histogram("router_proxy_overhead_seconds",
+                                        "The router's own time on a proxied request: received to the first byte "
+                                        "sent to the worker (body read, tokenization, decision)",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokenizer_checks = Counter("router_tokenizer_checks",
+                                        "Proxied text requests whose prompt length the worker reported, by "
+                                        "whether it equals the router's (mismatch: the router's tokenizer or "
+                                        "chat template is not the engine's, so its page hashes are not either)",
+                                        ["model", "outcome"], registry=r)
         self.state_store_up.set(1)
