@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import logging
 import random
@@ -39,6 +40,8 @@ from kvtier.schemas.openai import (
     ModelList,
     OpenAIError,
     OpenAIErrorBody,
+    Usage,
+    reported_usage,
 )
 from kvtier.schemas.router_health import (
     DecisionLogHealth,
@@ -55,10 +58,12 @@ from kvtier.schemas.routing import (
     ReleaseRequest,
     ReleaseStage,
     RouteRequest,
+    RouteResponse,
     ScoringWeights,
 )
 
 from .core import SELECTIONS, Router, RoutingError
+from .tokenization_check import TokenizationCheck
 
 log = logging.getLogger("kvtier.router.http")
 
@@ -79,6 +84,8 @@ class ServiceSettings:
     protect_metrics: bool = False
     #: model name -> folder of its tokenizer files (tokenizer.json, tokenizer_config.json)
     tokenizers: dict[str, str] = field(default_factory=dict)
+    #: the router's --router-mode, the `mode` label of the proxy's latency histograms
+    routing_mode: str = "kv"
 
 
 #: Paths whose refusals take OpenAI's error shape.
@@ -132,6 +139,8 @@ class RouterService:
         # Loaded at start (a bad folder stops the router there, not at the first request).
         self._tokenizers = {model: ModelTokenizer.load(path) for model, path in settings.tokenizers.items()}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-tokenize")
+        self.tokenization = TokenizationCheck()
+        self._mismatch_logged: dict[str, float] = {}
 
     def app(self) -> web.Application:
         # One middleware (auth, then refusals as JSON errors): aiohttp wraps each in a coroutine
@@ -267,8 +276,10 @@ class RouterService:
                              checked_pages=check.checked, kinds=check.mismatch_kinds, explanation=check.explanation)
             for model, check in mismatches])
         decision_log = router.decision_log
+        tokenizers = self.tokenization.health()
+        healthy = state_ok and not shared.last_error and hash_scheme.ok and all(t.ok for t in tokenizers)
         body = RouterHealth(
-            status="ok" if state_ok and not shared.last_error and hash_scheme.ok else "degraded",
+            status="ok" if healthy else "degraded",
             router_id=router.router_id,
             routing="tier-aware" if state_ok else "load/round-robin (state store unavailable)",
             state_store=StateStoreHealth(ok=state_ok, error=state_error or router.last_state_error),
@@ -282,6 +293,7 @@ class RouterService:
             models=sorted(router.models_seen),
             state_source="mirror" if router.mirror is not None else "redis",
             indexes=router.mirror.health() if router.mirror is not None else [],
+            tokenizers=tokenizers,
         )
         return web.Response(body=_json.encode(body), content_type="application/json")
 
@@ -296,29 +308,32 @@ class RouterService:
             log.warning("could not release %s (%s) of request %s: %s", stage.value, model, request_id, exc)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter()
         raw = await request.read()
         body = _decode(raw, GenerateRequest)
         self._check_tokens(len(body.input_ids), "input_ids")
         model = self._model_of(body.model)
         route = RouteRequest(model=model, token_ids=body.input_ids, request_id=body.rid,
                              max_new_tokens=body.sampling_params.max_new_tokens or 0)
-        return await self._forward(request, raw, route)
+        return await self._forward(request, raw, route, received)
 
     # --- the OpenAI-compatible API (proxy mode) ------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter()
         raw = await request.read()
         body = _decode(raw, CompletionRequest)
         model = self._model_of(body.model)
         if isinstance(body.prompt, list):
-            tokens = body.prompt  # token ids: routed as they are
+            tokens, tokenized = body.prompt, False  # token ids: routed as they are
         else:
             tokenizer = self._tokenizer(model)
-            tokens = await self._off_loop(tokenizer.encode_prompt, body.prompt)
+            tokens, tokenized = await self._off_loop(tokenizer.encode_prompt, body.prompt), True
         self._check_tokens(len(tokens), "prompt")
         route = RouteRequest(model=model, token_ids=tokens, max_new_tokens=body.output_budget)
-        return await self._forward(request, raw, route)
+        return await self._forward(request, raw, route, received, tokenized=tokenized)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter()
         raw = await request.read()
         body = _decode(raw, ChatCompletionRequest)
         model = self._model_of(body.model)
@@ -330,7 +345,7 @@ class RouterService:
             raise Refused(400, str(exc)) from None
         self._check_tokens(len(tokens), "messages")
         route = RouteRequest(model=model, token_ids=tokens, max_new_tokens=body.output_budget)
-        return await self._forward(request, raw, route)
+        return await self._forward(request, raw, route, received, tokenized=True)
 
     async def models(self, request: web.Request) -> web.Response:
         """The models whose workers have announced (and hold a live lease)."""
@@ -371,11 +386,14 @@ class RouterService:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
 
     # --- forwarding -----------------------------------------------------------------------
-    async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest, received: float,
+                       tokenized: bool = False) -> web.StreamResponse:
         """Route, then send the body unchanged to the same path on the chosen worker and stream
         its answer back; the booking is released at the first chunk (prefill done)
         and at the end, also when the client goes away (aiohttp cancels this handler, which
-        closes the upstream)."""
+        closes the upstream). `received`: when the request arrived (perf_counter), for the
+        latency histograms; `tokenized`: the router tokenized the prompt, so the engine's count
+        in its answer checks the router's tokenizer."""
         model, openai = route.model, request.path in _OPENAI_PATHS
         try:
             outcome = await self.router.route(route)
@@ -392,22 +410,35 @@ class RouterService:
         headers = {"X-Kvtier-Worker": decision.worker_id, "X-Kvtier-Request-Id": decision.request_id}
         if decision.degraded:
             headers["X-Kvtier-Degraded"] = ",".join(decision.degraded)
+        labels = (decision.worker_id, self.settings.routing_mode, decision.overlap.dominant_tier())
         first_token_released = False
         response: web.StreamResponse | None = None
+        answer = _AnswerTail() if tokenized else None
         try:
+            self.metrics.proxy_overhead.observe(time.perf_counter() - received)
             async with self._session.post(decision.worker_url.rstrip("/") + request.path, data=raw,
                                           headers={"Content-Type": "application/json"}) as upstream:
                 response = web.StreamResponse(status=upstream.status, headers=headers)
                 response.content_type = upstream.content_type
+                streamed = upstream.content_type == "text/event-stream"
+                ok = upstream.status == 200
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
-                    if not first_token_released and upstream.status == 200:
+                    if not first_token_released and ok:
                         first_token_released = True
+                        if streamed:  # a whole answer's first byte is its last: not a first token
+                            self.metrics.ttft.labels(*labels).observe(time.perf_counter() - received)
                         asyncio.ensure_future(
                             self._release_quietly(model, decision.request_id, ReleaseStage.FIRST_TOKEN))
+                    if answer is not None and ok:
+                        answer.add(chunk, keep_all=not streamed)
                     await response.write(chunk)
                 await response.write_eof()
-                self.metrics.proxy_requests.labels("ok" if upstream.status == 200 else "worker_error").inc()
+                self.metrics.proxy_requests.labels("ok" if ok else "worker_error").inc()
+                if ok:
+                    self.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - received)
+                    if answer is not None:
+                        self._check_tokenization(route, decision, reported_usage(answer.bytes(), streamed))
                 return response
         except (OSError, asyncio.TimeoutError, ClientPayloadError) as exc:
             self.metrics.proxy_requests.labels("unreachable").inc()
@@ -425,6 +456,47 @@ class RouterService:
             raise
         finally:
             await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+
+    def _check_tokenization(self, route: RouteRequest, decision: RouteResponse, usage: Usage | None) -> None:
+        """The engine's prompt count against the router's (see router/tokenization_check.py);
+        an answer without `usage` (a stream that did not ask for it) checks nothing."""
+        if usage is None:
+            return
+        model = route.model
+        matched = self.tokenization.record(model, decision.worker_id, len(route.token_ids), usage,
+                                           decision.overlap.reusable_pages() * decision.page_size,
+                                           decision.page_size)
+        self.metrics.tokenizer_checks.labels(model, "match" if matched else "mismatch").inc()
+        now = time.monotonic()
+        if not matched and now - self._mismatch_logged.get(model, -3600.0) >= 60.0:
+            self._mismatch_logged[model] = now
+            log.warning("model %s: worker %s counted %d prompt tokens where this router counted %d: the "
+                        "router's tokenizer or chat template (--tokenizer) is not the engine's, so its page "
+                        "hashes are not either and routing ignores the cache (see /healthz tokenizers)",
+                        model, decision.worker_id, usage.prompt_tokens, len(route.token_ids))
+
+
+class _AnswerTail:
+    """What the usage check needs of a proxied answer: all of a JSON body (up to a bound), or
+    the last part of a stream, where the usage event comes."""
+
+    WHOLE_LIMIT = 8 << 20
+    TAIL = 64 << 10
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def add(self, chunk: bytes, keep_all: bool) -> None:
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        limit = self.WHOLE_LIMIT if keep_all else self.TAIL
+        while self._size - len(self._chunks[0]) >= limit and len(self._chunks) > 1:
+            self._size -= len(self._chunks.pop(0))
+
+    def bytes(self) -> bytes:
+        return b"".join(self._chunks)
+
 
 async def run_router_service(router: Router, settings: ServiceSettings, host: str, port: int,
                              stop: asyncio.Event, ready=None) -> None:
@@ -501,9 +573,9 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
                                            else "score"),
                     metrics, shared_pool=shared_pool, decision_log=decision_log,
                     rng=random.Random(config.seed) if config.seed is not None else None)
+    service = dataclasses.replace(config.service or ServiceSettings(), routing_mode=config.router_mode)
     try:
-        await run_router_service(router, config.service or ServiceSettings(), config.host, config.http_port,
-                                 stop, ready)
+        await run_router_service(router, service, config.host, config.http_port, stop, ready)
     finally:
         if decision_log is not None:
             await decision_log.close()

@@ -102,8 +102,8 @@ class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
@@ -155,3 +155,30 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
 def decode_completion_request(body: bytes) -> CompletionRequest:
     """Raises msgspec.DecodeError/ValidationError."""
     return guarded(_completion_decoder.decode, body)
+
+
+class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What any OpenAI response, a whole body or one streamed chunk, says the engine counted."""
+
+    usage: Usage | None = None
+
+
+_usage_report = msgspec.json.Decoder(UsageReport)
+
+
+def reported_usage(body: bytes, streamed: bool) -> Usage | None:
+    """The engine's `usage` in a JSON answer or, streamed (SSE), in the last event carrying one
+    (sent when the request asked `stream_options.include_usage`). None when there is none or
+    it cannot be read: the answer is the engine's, passed on unchanged whatever it holds."""
+    events = [body] if not streamed else [
+        line[5:].strip() for line in reversed(body.split(b"\n")) if line.startswith(b"data:")]
+    for event in events:
+        if not event or event == b"[DONE]":
+            continue
+        try:
+            usage = _usage_report.decode(event).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if usage is not None:
+            return usage
+    return None

@@ -76,8 +76,42 @@ class IndexHealth(msgspec.Struct, frozen=True, kw_only=True):
     last_bootstrap_seconds: float = 0.0
 
 
+class TokenizerMismatch(msgspec.Struct, frozen=True, kw_only=True):
+    """One proxied text request whose prompt the engine counted differently from the router."""
+
+    worker_id: str
+    router_tokens: int
+    engine_tokens: int
+    #: Unix time of the answer.
+    at: float = 0.0
+
+
+class TokenizerHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """The router's tokenization of one model checked against its engines: each proxied text
+    request's prompt length as the router counted it, against the engine's `usage.prompt_tokens`.
+    A difference means the router's tokenizer or chat template is not the engine's, so none of
+    its page hashes past the first differing token can match the engine's pages."""
+
+    model: str
+    checked: int = 0
+    mismatched: int = 0
+    #: Mismatches among the most recent checks (`recent_window` of them): what `ok` judges, so a
+    #: fixed tokenizer clears it.
+    recent_mismatched: int = 0
+    recent_window: int = 0
+    last_mismatch: TokenizerMismatch | None = None
+    #: Answers whose engine found more of the prompt cached than the router's state showed on
+    #: that worker (beyond a page): the sign of a same-length difference, or of a lagging view.
+    cached_beyond_overlap: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.recent_mismatched == 0
+
+
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
-    #: "ok", or "degraded" when the state store, the shared pool or a worker's hashes fail.
+    #: "ok", or "degraded" when the state store, the shared pool, a worker's hashes or the
+    #: router's tokenization of a model fail.
     status: str = ""
     router_id: str = ""
     #: "tier-aware", or how it routes without the state store.
@@ -96,6 +130,8 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: the change feed) or "redis" (the Lua walk); "" from a router too old to say.
     state_source: str = ""
     indexes: list[IndexHealth] = []
+    #: Proxied text requests' tokenization checked against the engines (--proxy --tokenizer).
+    tokenizers: list[TokenizerHealth] = []
 
 
 _decoder = msgspec.json.Decoder(RouterHealth)

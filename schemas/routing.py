@@ -77,6 +77,20 @@ class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
     #: from the end of both).
     predicted: int = 0
 
+    def dominant_tier(self) -> str:
+        """The tier holding most of this overlap: "device" (predicted pages included), "host",
+        "disk" or "shared"; "none" when there is no overlap. Ties go to the faster tier."""
+        tiers = (("device", self.device + self.predicted), ("host", self.host), ("disk", self.disk),
+                 ("shared", self.shared_beyond))
+        name, pages = max(tiers, key=lambda tier: tier[1])  # the first of equal ones
+        return name if pages else "none"
+
+    def reusable_pages(self) -> int:
+        """Pages of the prefix the worker can reuse by this view: its own tiers in a row, or its
+        device prefix continued from the shared pool, whichever reaches further."""
+        device = self.device + self.predicted
+        return max(device + self.host + self.disk, device + self.shared_beyond)
+
 
 class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str

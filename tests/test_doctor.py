@@ -123,6 +123,50 @@ def test_a_router_index_not_at_the_feed_head_is_a_warning():
     assert judge.check_router_indexes(views.RedisView(url="x", reachable=False), [router(at_head)]) == []
 
 
+def test_a_router_tokenizing_unlike_its_engines_fails():
+    from kvtier.schemas.openai import PromptTokensDetails, Usage
+    from kvtier.schemas.router_health import RouterHealth
+    from router.tokenization_check import RECENT_CHECKS, TokenizationCheck
+
+    check = TokenizationCheck()
+    assert check.record("m", "w0", 10, Usage(prompt_tokens=10), overlap_tokens=0, page_size=4)
+    assert not check.record("m", "w1", 10, Usage(prompt_tokens=11), overlap_tokens=0, page_size=4)
+    # cached tokens beyond what the router saw on the worker (more than a page): counted, not failed
+    check.record("m", "w0", 10, Usage(prompt_tokens=10, prompt_tokens_details=PromptTokensDetails(cached_tokens=9)),
+                 overlap_tokens=4, page_size=4)
+    [health] = check.health()
+    assert (health.checked, health.mismatched, health.recent_mismatched, health.cached_beyond_overlap) == (3, 1, 1, 1)
+    assert health.last_mismatch is not None and (health.last_mismatch.router_tokens,
+                                                 health.last_mismatch.engine_tokens) == (10, 11)
+
+    def router(tokenizers):
+        return views.RouterView(url="r", reachable=True, http_status=200, healthz=RouterHealth(tokenizers=tokenizers))
+
+    finding = _one(judge.check_router_tokenizers([router(check.health())]), "router_tokenizer", views.Status.FAIL)
+    assert "worker w1 counted 11 prompt tokens, the router 10" in finding.finding
+    assert "--tokenizer m=PATH" in finding.fix
+    # a mismatch ages out of the recent window once the tokenizer is fixed
+    for _ in range(RECENT_CHECKS):
+        check.record("m", "w0", 10, Usage(prompt_tokens=10), overlap_tokens=0, page_size=4)
+    assert _one(judge.check_router_tokenizers([router(check.health())]), "router_tokenizer", views.Status.OK)
+    assert judge.check_router_tokenizers([router([])]) == []
+
+
+def test_usage_is_read_from_a_whole_answer_and_from_the_last_streamed_event():
+    from kvtier.schemas.openai import reported_usage
+
+    whole = b'{"id": "x", "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}'
+    assert reported_usage(whole, streamed=False).prompt_tokens == 7
+    stream = (b'data: {"choices": [{"text": "a"}], "usage": null}\n\n'
+              b'data: {"choices": [], "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}}}'
+              b'\n\ndata: [DONE]\n\n')
+    usage = reported_usage(stream, streamed=True)
+    assert usage.prompt_tokens == 5 and usage.prompt_tokens_details.cached_tokens == 4
+    assert reported_usage(b'data: {"choices": []}\n\ndata: [DONE]\n\n', streamed=True) is None
+    assert reported_usage(b"not json", streamed=False) is None
+    assert reported_usage(b'ta: {"usage": {"prompt_tokens": 1}}\n\n', streamed=True) is None  # cut: not an event
+
+
 def test_a_router_healthz_body_round_trips_through_its_schema():
     """The body as routers have always written it (field names and order) decodes into
     RouterHealth and encodes back to the same bytes; a router that does not report its
@@ -140,7 +184,10 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
             "decision_log": {"enabled": True, "connected": False}, "models": ["m"], "state_source": "mirror",
             "indexes": [{"model": "m", "ready": True, "position": "1796162837965-0", "change": 2,
                          "marker_id": "f42838bb26d24e01", "entries": 14, "lag_seconds": 0.001, "bootstraps": 1,
-                         "last_bootstrap_reason": "start", "last_bootstrap_seconds": 0.0084}]}
+                         "last_bootstrap_reason": "start", "last_bootstrap_seconds": 0.0084}],
+            "tokenizers": [{"model": "m", "checked": 3, "mismatched": 1, "recent_mismatched": 1, "recent_window": 3,
+                            "last_mismatch": {"worker_id": "w1", "router_tokens": 10, "engine_tokens": 11,
+                                              "at": 1796162837.9}, "cached_beyond_overlap": 0}]}
     raw = msgspec.json.encode(body)
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw

@@ -62,6 +62,7 @@ def test_the_tokenizer_applies_bos_and_the_chat_template_as_sglang_does(tokenize
 class Stack:
     def __init__(self, nats_url: str, redis_url: str, redis_client, tokenizer_dir):
         self.processes: list = []
+        self.nats_url, self.redis_url = nats_url, redis_url
         self.client = redis_client
         self.processor = processor_process(nats_url, redis_url)
         self.processes.append(self.processor)
@@ -172,3 +173,79 @@ def test_bad_requests_get_openai_shaped_4xx(stack):
     assert too_long.value.status_code == 413
     status, body, _ = http("POST", stack.routers[0].url + "/v1/chat/completions", b'{"model": "x", "messages": 3}')
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "messages" in body["error"]["message"]
+
+
+def _sample(metrics: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_latency_is_recorded_by_worker_mode_and_tier_and_tokenization_checked(stack):
+    router = stack.routers[0]
+    client = stack.openai(0)
+    before = router.metrics()
+    streamed = list(client.completions.create(model=MODEL, prompt=SYSTEM + " ok", max_tokens=2, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens == 162
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SYSTEM}], max_tokens=2)
+    after = router.metrics()
+    # the stream's first token and both requests' ends, labelled with this router's mode
+    assert _sample(after, "router_ttft_seconds_count", mode="kv") == _sample(before, "router_ttft_seconds_count",
+                                                                             mode="kv") + 1
+    assert _sample(after, "router_request_seconds_count", mode="kv") == _sample(
+        before, "router_request_seconds_count", mode="kv") + 2
+    tiers = {line.split('tier="')[1].split('"')[0] for line in after.splitlines()
+             if line.startswith("router_request_seconds_count{")}
+    assert tiers <= {"device", "host", "disk", "shared", "none"} and tiers, after
+    workers = {line.split('worker="')[1].split('"')[0] for line in after.splitlines()
+               if line.startswith("router_request_seconds_count{")}
+    assert workers <= set(stack.workers), workers
+    assert _sample(after, "router_proxy_overhead_seconds_count") >= 2
+    # both prompts were counted by the engine as by the router
+    assert _sample(after, "router_tokenizer_checks_total", outcome="match") >= _sample(
+        before, "router_tokenizer_checks_total", outcome="match") + 2
+    assert _sample(after, "router_tokenizer_checks_total", outcome="mismatch") == 0
+    health = http("GET", router.url + "/healthz")[1]
+    [checks] = health["tokenizers"]
+    assert checks["model"] == MODEL and checks["checked"] >= 2 and checks["recent_mismatched"] == 0, checks
+
+
+def test_a_router_tokenizing_unlike_the_engine_is_reported(stack, tokenizer_dir, tmp_path):
+    import subprocess
+    import sys
+
+    # the same vocabulary without the BOS the engine's files add: every prompt is one token short
+    other = tmp_path / "no-bos"
+    other.mkdir()
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    data["post_processor"] = None
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    (other / "tokenizer_config.json").write_text((tokenizer_dir / "tokenizer_config.json").read_text())
+    # (in round-robin mode: the latency histograms carry the mode, for A/B-ing modes on live traffic)
+    router = RouterProcess(stack.redis_url, "--proxy", "--tokenizer", f"{MODEL}={other}", "--router-mode",
+                           "round-robin")
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt="hello there again", max_tokens=1)
+        assert answer.usage.prompt_tokens == 4  # the engine's BOS + 3 words; the router counted 3
+        health = http("GET", router.url + "/healthz")[1]
+        assert health["status"] == "degraded", health
+        [checks] = health["tokenizers"]
+        assert checks["recent_mismatched"] == 1 and checks["last_mismatch"]["router_tokens"] == 3 \
+            and checks["last_mismatch"]["engine_tokens"] == 4, checks
+        metrics = router.metrics()
+        assert _sample(metrics, "router_tokenizer_checks_total", outcome="mismatch") == 1
+        assert _sample(metrics, "router_request_seconds_count", mode="round-robin") == 1
+        doctor = subprocess.run([sys.executable, "-m", "kvtier.cli", "doctor", "--nats", stack.nats_url, "--redis",
+                                 stack.redis_url, "--router", router.url, "--timeout", "5"],
+                                capture_output=True, text=True, timeout=60)
+        assert doctor.returncode == 1 and "router_tokenizer" in doctor.stdout, doctor.stdout + doctor.stderr
+        assert "counted 4 prompt tokens, the router 3" in doctor.stdout, doctor.stdout
+    finally:
+        router.stop()

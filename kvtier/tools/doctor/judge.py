@@ -560,6 +560,35 @@ def check_router_indexes(redis_view: RedisView, routers: list[RouterView]) -> li
     return out
 
 
+def check_router_tokenizers(routers: list[RouterView]) -> list[Finding]:
+    """A proxying router must count each text prompt as its engines do (router/tokenization_check.py):
+    a different tokenizer or chat template hashes other pages than the engines store."""
+    out = []
+    for r in routers:
+        if not r.reachable or r.error:
+            continue
+        for t in r.healthz.tokenizers:
+            subject = f"{r.url} {t.model}"
+            if not t.ok:
+                last = t.last_mismatch
+                example = (f"; last: worker {last.worker_id} counted {last.engine_tokens} prompt tokens, the "
+                           f"router {last.router_tokens}" if last is not None else "")
+                out.append(Finding(
+                    check="router_tokenizer", status=Status.FAIL, subject=subject,
+                    finding=f"{t.recent_mismatched} of the last {t.recent_window} proxied text requests were "
+                            f"tokenized differently by the router and the engine{example}: the router's page "
+                            "hashes are not the engine's, so it routes as if nothing were cached",
+                    fix=f"give the router the engine's own tokenizer files: --tokenizer {t.model}=PATH, the folder "
+                        "the engine loads (tokenizer.json, tokenizer_config.json with its chat_template)"))
+            elif t.checked:
+                beyond = (f"; {t.cached_beyond_overlap} answer(s) found more cached than the router saw"
+                          if t.cached_beyond_overlap else "")
+                out.append(Finding(check="router_tokenizer", status=Status.OK, subject=subject,
+                                   finding=f"{t.checked} proxied text request(s) counted alike by router and "
+                                           f"engine{beyond}"))
+    return out
+
+
 def diagnose(obs: Observation) -> list[Finding]:
     return [
         *check_nats(obs.nats),
@@ -572,6 +601,7 @@ def diagnose(obs: Observation) -> list[Finding]:
         *check_mooncake(obs.mooncake, obs.redis, obs.routers),
         *check_routers(obs.routers),
         *check_router_indexes(obs.redis, obs.routers),
+        *check_router_tokenizers(obs.routers),
         *check_hash_scheme(obs.redis),
         *check_dead_letters(obs.nats),
     ]
