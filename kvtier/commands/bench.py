@@ -77,6 +77,23 @@ def register(sub) -> None:
     route.add_argument("--seed", type=int, default=1)
     route.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     add_common(route)
+    px = bench_sub.add_parser(
+        "proxy", help="What the OpenAI-compatible proxy adds to TTFT (8k-token prompts), and requests/s per "
+                      "replica, against requests straight to the same workers in the same run.",
+        description="sim-workers, bridges, NATS, a processor, Redis and router replicas with --proxy as processes "
+                    "on embedded loopback servers; request pairs (one direct, one through a router) alternate, "
+                    "so the added latency is measured pair by pair.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    px.add_argument("--prompt-tokens", type=positive_int, default=8192, help="Tokens per prompt (BOS included).")
+    px.add_argument("--requests", type=positive_int, default=200, help="Measured request pairs.")
+    px.add_argument("--warm-up", type=int, default=20, help="Unmeasured request pairs first.")
+    px.add_argument("--workers", type=positive_int, default=2, help="sim-worker processes.")
+    px.add_argument("--replicas", type=positive_int, default=1, help="Router replicas.")
+    px.add_argument("--concurrency", type=positive_int, default=8, help="Concurrent clients in the rate phase.")
+    px.add_argument("--seconds", type=positive_float, default=5.0, help="Length of each rate measurement.")
+    px.add_argument("--seed", type=int, default=1)
+    px.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    add_common(px)
     rp = bench_sub.add_parser("replay", help="Replay a Mooncake-format trace on a simulated HiCache cluster, "
                                              "once per routing policy, beside the oracle and the bounds.",
                               description="Lockstep by default: the trace clock moves only when the pipeline has "
@@ -224,6 +241,12 @@ def _run_route(args) -> int:
     return run_route_bench(args)
 
 
+def _run_proxy(args) -> int:
+    from kvtier.bench.proxy import run_proxy_bench
+
+    return run_proxy_bench(args)
+
+
 def _run_ingest(args) -> int:
     from kvtier.bench.ingest import run_ingest_bench
 
@@ -257,6 +280,7 @@ def _run_fuzz(args) -> int:
 RUNS = {
     "replay": _run_replay,
     "route": _run_route,
+    "proxy": _run_proxy,
     "ingest": _run_ingest,
     "soak": _run_soak,
     "faults": _run_faults,
