@@ -186,7 +186,7 @@ def _kind(spec: dict) -> str:
              str(build.get("dockerfile", "Dockerfile")) == "Dockerfile") or image.startswith("kvtier:"))):
         return "kvtier"
     for prefix, kind in (("nats", "nats"), ("redis", "redis"), ("valkey/valkey", "redis"),
-                         ("prom/prometheus", "prometheus")):
+                         ("prom/prometheus", "prometheus"), ("grafana/grafana", "grafana")):
         if image == prefix or image.startswith(prefix + ":"):
             return kind
     return "other"
@@ -294,6 +294,9 @@ def _other_listens(service: Service) -> dict[int, tuple[str, str]]:
     elif service.kind == "prometheus":
         host, port = _host_port(_long_flag(argv, ("--web.listen-address",), ":9090"))
         listens[port] = (host or "0.0.0.0", "http")
+    elif service.kind == "grafana":  # configured by GF_<SECTION>_<KEY> variables; an empty address: all
+        port = int(service.env.get("GF_SERVER_HTTP_PORT") or "3000")
+        listens[port] = (service.env.get("GF_SERVER_HTTP_ADDR") or "0.0.0.0", "http")
     return listens
 
 
@@ -795,6 +798,8 @@ BROKEN = {
     "healthcheck on another port": (_set("c|services|router-1|healthcheck|test",
                                          ["CMD", "curl", "-f", "http://127.0.0.1:8001/healthz"]), "healthcheck probes"),
     "published port nobody listens on": (_set("c|services|router-1|ports", ["8001:8080"]), "publishes container port"),
+    "grafana moved off its probed port": (_set(ENV.format("grafana", "GF_SERVER_HTTP_PORT"), "3001"),
+                                          "grafana: its healthcheck probes port 3000, but it listens on [3001]"),
     "host port published twice": (_set("c|services|router-2|ports", ["8001:8000"]), "published twice"),
     # prometheus
     "processor metrics port not scraped": (_both(_set(ENV.format("processor-2", "KVTIER_METRICS_PORT"), "9200"),
