@@ -53,7 +53,9 @@ def register(sub) -> None:
                         "both together for very long contexts.")
     r.add_argument("--max-body-bytes", type=positive_int, default=32 << 20, help="Largest request body (413).")
     r.add_argument("--proxy", action="store_true",
-                   help="Also serve SGLang's /generate: route, forward to the worker, stream the answer back.")
+                   help="Also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
+                        "and SGLang's /generate: route, forward the body unchanged to the worker, stream the answer "
+                        "back.")
     r.add_argument("--model", default="", help="Model of proxied requests that name none.")
     r.add_argument("--tokenizer", action="append", default=[], type=_model_and_path, metavar="MODEL=PATH",
                    help="With --proxy: the folder of MODEL's tokenizer files (tokenizer.json, tokenizer_config.json "
