@@ -131,6 +131,8 @@ async def _measure(workers: list[str], routers: list[str], vocabulary: list[str]
                 routed.append(await _timed_completion(session, router, to_router))
                 direct.append(await _timed_completion(session, worker, to_worker))
 
+        # the breakdown of the router's time on the sequential requests above (the rate phase queues)
+        sequential = [await (await session.get(router + "/metrics")).text() for router in routers]
         bodies = [_body(_prompt(rng, vocabulary, args.prompt_tokens), False) for _ in range(64)]
 
         async def rate(targets: list[str]) -> float:
@@ -164,8 +166,8 @@ async def _measure(workers: list[str], routers: list[str], vocabulary: list[str]
     mismatches = sum(float(line.rsplit(" ", 1)[1]) for text in metrics for line in text.splitlines()
                      if line.startswith("router_tokenizer_checks_total{") and 'outcome="mismatch"' in line)
     def mean_ms(name: str) -> float:
-        sums = [_metric(text, name + "_sum") for text in metrics]
-        counts = [_metric(text, name + "_count") for text in metrics]
+        sums = [_metric(text, name + "_sum") for text in sequential]
+        counts = [_metric(text, name + "_count") for text in sequential]
         return 1000 * sum(sums) / sum(counts) if sum(counts) else float("nan")
 
     added_q, router_q = _quantiles(added), _quantiles(router_ms)
@@ -179,7 +181,7 @@ async def _measure(workers: list[str], routers: list[str], vocabulary: list[str]
         "added_ttft_p50_ms": added_q["p50"], "added_ttft_p99_ms": added_q["p99"],
         "router_time_p50_ms": router_q["p50"], "router_time_p99_ms": router_q["p99"],
         "router_time_max_ms": router_q["max"],
-        # where the router's time goes, means over every proxied request of the run (rate phase included)
+        # where the router's time goes: means over the warm-up and the sequential pairs
         "tokenize_mean_ms": mean_ms("router_tokenize_seconds"),
         "decision_mean_ms": mean_ms("router_decision_latency_seconds"),
         "direct_requests_per_s": direct_rate,
