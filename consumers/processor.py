@@ -684,6 +684,9 @@ class Processor:
                 continue  # nobody has consumed it yet
             if partition in self.partitions:
                 PENDING.labels(str(partition)).set(info.num_pending)
+            else:  # given up (or never owned): its backlog is its new owner's to report
+                with contextlib.suppress(KeyError):
+                    PENDING.remove(str(partition))
             if info.num_pending == 0 and info.num_ack_pending == 0:
                 settled[partition] = now
                 continue

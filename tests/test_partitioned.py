@@ -103,3 +103,50 @@ def test_auto_partitions_split_fairly_and_survive_a_processor_death(nats_server,
         assert all(read_worker_state(redis_client, MODEL, w)["seq"] == str(seqs[w]) for w in WORKERS)
     finally:
         stop_all(first, second)
+
+
+def test_a_processor_reports_the_backlog_of_the_partitions_it_owns_only(nats_server, redis_server, redis_client):
+    """kvtier_processor_consumer_pending{partition} of a partition given up to another processor
+    goes away: a frozen figure from its old owner would read as a backlog nobody drains."""
+    import re
+    import urllib.request
+
+    from kvtier.consumers.ownership import PartitionLeases
+    from kvtier.harness.embedded import free_port
+
+    leases = PartitionLeases(redis_client, "test-observer", 8)
+    workloads = {w: HiCacheWorkload(seed=500 + i) for i, w in enumerate(WORKERS)}
+    seqs = {w: 0 for w in WORKERS}
+
+    def burst():
+        batches = []
+        for w in WORKERS:
+            seqs[w] += 1
+            batches.append(kvtier_batch(MODEL, w, 1, seqs[w], workloads[w].next_batch()))
+        asyncio.run(publish_batches(nats_server.url, batches))
+
+    def reported(port: int) -> set[int]:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        return {int(p) for p in re.findall(r'^kvtier_processor_consumer_pending\{partition="(\d+)"\}', page, re.M)}
+
+    def owned_by(process_id_part: str) -> set[int]:
+        return {p for p, owner in leases.owners().items() if owner and process_id_part in owner}
+
+    port = free_port()
+    args = ("--partitions", "auto")
+    first = processor_process(nats_server.url, redis_server.url, *args, "--metrics-port", str(port))
+    second = None
+    try:
+        wait_until(lambda: None not in leases.owners().values(), timeout=30, what=lambda: first.output()[-1500:])
+        burst()  # every partition's consumer exists once it has had messages
+        wait_until(lambda: reported(port) == set(range(8)), timeout=30,
+                   what=lambda: f"all 8 partitions reported; {reported(port)}")
+        owner = next(iter(set(leases.owners().values())))
+        second = processor_process(nats_server.url, redis_server.url, *args)
+        wait_until(lambda: len(owned_by(owner)) == 4 and None not in leases.owners().values(), timeout=30,
+                   what=lambda: f"an even split; {leases.owners()}")
+        burst()
+        wait_until(lambda: reported(port) == owned_by(owner), timeout=30,
+                   what=lambda: f"only its own partitions {owned_by(owner)}; reported {reported(port)}")
+    finally:
+        stop_all(*(p for p in (first, second) if p is not None))
