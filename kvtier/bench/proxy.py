@@ -21,7 +21,9 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -206,6 +208,7 @@ def run_proxy_bench(args) -> int:
     vocabulary = write_tokenizer(tokenizer)
     quiet = ["--log-level", "WARNING"]
     processes: list[KvtierSubprocess] = []
+    results: dict | None = None
     with NatsServer() as nats, RedisServer() as server:
         client = redis.Redis.from_url(server.url)
         try:
@@ -246,6 +249,10 @@ def run_proxy_bench(args) -> int:
             for p in reversed(processes):
                 p.stop()
             client.close()
+            if results is not None:
+                shutil.rmtree(work, ignore_errors=True)
+            else:
+                print(f"kvtier bench proxy failed; the processes' logs are in {work}", file=sys.stderr)
     _print(results)
     if args.json:
         print(json.dumps(results))
