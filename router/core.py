@@ -123,6 +123,9 @@ class RouterSettings:
 class Outcome:
     response: RouteResponse
     decision: RouteDecision | None  # built only when a decision log is configured
+    #: The request's full pages at the chosen worker's page size, as this router hashed them
+    #: (None when it routed without tier state).
+    pages: RequestPages | None = None
 
 
 class _Fallback:
@@ -344,7 +347,7 @@ class Router:
                 request_pages=n_pages, chosen=winner.worker_id, candidates=candidates, degraded=degraded,
                 latency_ms=latency * 1000, shared_pool_queried=shared is not None)
             self.decision_log.submit(decision)
-        return Outcome(response, decision)
+        return Outcome(response, decision, pages_by_size.get(fresh[chosen].page_size))
 
     async def _query_shared_pool(self, directory: ModelDirectory, pages_by_size: dict[int, RequestPages]
                                  ) -> dict[int, dict[MooncakeLayout, SharedPages]]:

@@ -104,4 +104,9 @@ class RouterMetrics:
                                         "whether it equals the router's (mismatch: the router's tokenizer or "
                                         "chat template is not the engine's, so its page hashes are not either)",
                                         ["model", "outcome"], registry=r)
+        self.stored_page_checks = Counter("router_stored_page_checks",
+                                          "Proxied text requests whose worker was asked, seconds later, for the "
+                                          "request's last full page under the router's hash, by outcome (found, "
+                                          "missing: the engine tokenized it otherwise, evicted it already, or "
+                                          "publishes no events)", ["model", "outcome"], registry=r)
         self.state_store_up.set(1)

@@ -32,6 +32,7 @@ from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
+from kvtier.schemas.hashes import PageKey
 from kvtier.schemas.limits import guarded
 from kvtier.schemas.openai import (
     ChatCompletionRequest,
@@ -61,8 +62,11 @@ from kvtier.schemas.routing import (
     RouteResponse,
     ScoringWeights,
 )
+from kvtier.schemas.state_keys import ModelKeys, page_member
+from kvtier.schemas.tiers import Tier
 
 from .core import SELECTIONS, Router, RoutingError
+from .hashing import RequestPages
 from .tokenization_check import TokenizationCheck
 
 log = logging.getLogger("kvtier.router.http")
@@ -86,6 +90,9 @@ class ServiceSettings:
     tokenizers: dict[str, str] = field(default_factory=dict)
     #: the router's --router-mode, the `mode` label of the proxy's latency histograms
     routing_mode: str = "kv"
+    #: seconds after a proxied text request to check its worker stored its last page under the
+    #: router's hash (the events' way through the pipeline takes milliseconds); 0: never
+    stored_page_check_s: float = 3.0
 
 
 #: Paths whose refusals take OpenAI's error shape.
@@ -141,6 +148,7 @@ class RouterService:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-tokenize")
         self.tokenization = TokenizationCheck()
         self._mismatch_logged: dict[str, float] = {}
+        self._page_checks: set[asyncio.Task] = set()
 
     def app(self) -> web.Application:
         # One middleware (auth, then refusals as JSON errors): aiohttp wraps each in a coroutine
@@ -170,6 +178,8 @@ class RouterService:
         if self._session is not None:
             await self._session.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for task in list(self._page_checks):
+            task.cancel()
 
     async def _housekeeping_loop(self) -> None:
         while True:
@@ -442,6 +452,7 @@ class RouterService:
                     self.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - received)
                     if answer is not None:
                         self._check_tokenization(route, decision, reported_usage(answer.bytes(), streamed))
+                        self._check_stored_later(model, decision, outcome.pages)
                 return response
         except (OSError, asyncio.TimeoutError, ClientPayloadError) as exc:
             self.metrics.proxy_requests.labels("unreachable").inc()
@@ -459,6 +470,30 @@ class RouterService:
             raise
         finally:
             await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+
+    def _check_stored_later(self, model: str, decision: RouteResponse, pages: RequestPages | None) -> None:
+        """In `settings.stored_page_check_s`, ask Redis whether the worker holds the request's
+        last full page under this router's hash (router/tokenization_check.py). Skipped for a
+        decision made without tier state, a prompt shorter than a page, or while many checks
+        are already waiting (one Redis command each: a sample is enough)."""
+        if pages is None or not len(pages) or decision.degraded or len(self._page_checks) >= 256 \
+                or self.settings.stored_page_check_s <= 0:
+            return
+        task = asyncio.ensure_future(self._check_stored(model, decision.worker_id, pages.keys[-1]))
+        self._page_checks.add(task)
+        task.add_done_callback(self._page_checks.discard)
+
+    async def _check_stored(self, model: str, worker_id: str, page: PageKey) -> None:
+        await asyncio.sleep(self.settings.stored_page_check_s)
+        key = ModelKeys.for_model(model).pages(worker_id)
+        members = [page_member(tier, page) for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK)]
+        try:
+            found = await self.router.redis.smismember(key, members)  # type: ignore[misc]  # async client
+        except Exception as exc:  # noqa: BLE001 - no verdict without the store
+            log.debug("stored-page check of %s on %s skipped: %s", model, worker_id, exc)
+            return
+        self.tokenization.record_stored(model, any(found))
+        self.metrics.stored_page_checks.labels(model, "found" if any(found) else "missing").inc()
 
     def _check_tokenization(self, route: RouteRequest, decision: RouteResponse, usage: Usage | None) -> None:
         """The engine's prompt count against the router's (see router/tokenization_check.py);

@@ -103,10 +103,16 @@ class TokenizerHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: Answers whose engine found more of the prompt cached than the router's state showed on
     #: that worker (beyond a page): the sign of a same-length difference, or of a lagging view.
     cached_beyond_overlap: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.recent_mismatched == 0
+    #: Seconds after each proxied text request, whether its worker holds the request's last
+    #: full page under the router's hash (on any tier): a tokenization that differs without
+    #: changing the prompt's length never stores it. Checked, missing, and missing among the
+    #: most recent `recent_pages_window` checks.
+    pages_checked: int = 0
+    pages_missing: int = 0
+    recent_pages_missing: int = 0
+    recent_pages_window: int = 0
+    #: The router's verdict: no recent count mismatch, and the recent pages mostly found.
+    ok: bool = True
 
 
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):

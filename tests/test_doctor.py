@@ -150,6 +150,19 @@ def test_a_router_tokenizing_unlike_its_engines_fails():
         check.record("m", "w0", 10, Usage(prompt_tokens=10), overlap_tokens=0, page_size=4)
     assert _one(judge.check_router_tokenizers([router(check.health())]), "router_tokenizer", views.Status.OK)
     assert judge.check_router_tokenizers([router([])]) == []
+    # pages the engine never stored under the router's hashes: a few evicted ones are not a
+    # fault, most of the recent checks missing is
+    for found in (True, False, False, False, False):
+        check.record_stored("m", found)
+    assert check.health()[0].ok and check.health()[0].recent_pages_missing == 4
+    check.record_stored("m", False)
+    [health] = check.health()
+    assert not health.ok and (health.pages_checked, health.pages_missing) == (6, 5)
+    finding = _one(judge.check_router_tokenizers([router([health])]), "router_tokenizer", views.Status.FAIL)
+    assert "5 of the last 6 proxied text requests left no page" in finding.finding
+    for _ in range(RECENT_CHECKS):
+        check.record_stored("m", True)
+    assert check.health()[0].ok
 
 
 def test_usage_is_read_from_a_whole_answer_and_from_the_last_streamed_event():
@@ -187,7 +200,9 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
                          "last_bootstrap_reason": "start", "last_bootstrap_seconds": 0.0084}],
             "tokenizers": [{"model": "m", "checked": 3, "mismatched": 1, "recent_mismatched": 1, "recent_window": 3,
                             "last_mismatch": {"worker_id": "w1", "router_tokens": 10, "engine_tokens": 11,
-                                              "at": 1796162837.9}, "cached_beyond_overlap": 0}]}
+                                              "at": 1796162837.9}, "cached_beyond_overlap": 0,
+                            "pages_checked": 2, "pages_missing": 0, "recent_pages_missing": 0,
+                            "recent_pages_window": 2, "ok": False}]}
     raw = msgspec.json.encode(body)
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw

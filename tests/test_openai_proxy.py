@@ -214,6 +214,40 @@ def test_latency_is_recorded_by_worker_mode_and_tier_and_tokenization_checked(st
     health = http("GET", router.url + "/healthz")[1]
     [checks] = health["tokenizers"]
     assert checks["model"] == MODEL and checks["checked"] >= 2 and checks["recent_mismatched"] == 0, checks
+    # seconds later, each request's last page is found on its worker under the router's hash
+    wait_until(lambda: http("GET", router.url + "/healthz")[1]["tokenizers"][0]["pages_checked"] >= 2, timeout=20)
+    checks = http("GET", router.url + "/healthz")[1]["tokenizers"][0]
+    assert checks["pages_missing"] == 0 and checks["ok"], checks
+
+
+def test_a_template_that_differs_without_changing_the_length_is_reported(stack, tokenizer_dir, tmp_path):
+    # the engine's template, but a user turn opens with <|system|>: the same number of tokens,
+    # other ids, so the engine stores pages under hashes the router never computes
+    other = tmp_path / "other-template"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text())
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE.replace("<|{{ m['role'] }}|>",
+                                               "<|{{ 'system' if m['role'] == 'user' else m['role'] }}|>")
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    router = RouterProcess(stack.redis_url, "--proxy", "--tokenizer", f"{MODEL}={other}")
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        for i in range(6):
+            words = " ".join(f"w{(i * 7 + j) % 400}" for j in range(12))
+            answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}],
+                                                    max_tokens=1)
+            assert answer.usage.prompt_tokens == 16  # <s> <|user|> 12 words </s> <|assistant|>: counts agree
+
+        def tokenizers():
+            return http("GET", router.url + "/healthz")[1]["tokenizers"][0]
+
+        wait_until(lambda: tokenizers()["pages_checked"] == 6, timeout=30, what=lambda: f"{tokenizers()}")
+        checks = tokenizers()
+        assert checks["recent_mismatched"] == 0 and checks["pages_missing"] == 6 and not checks["ok"], checks
+        assert http("GET", router.url + "/healthz")[1]["status"] == "degraded"
+    finally:
+        router.stop()
 
 
 def test_a_router_tokenizing_unlike_the_engine_is_reported(stack, tokenizer_dir, tmp_path):

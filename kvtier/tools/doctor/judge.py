@@ -569,7 +569,9 @@ def check_router_tokenizers(routers: list[RouterView]) -> list[Finding]:
             continue
         for t in r.healthz.tokenizers:
             subject = f"{r.url} {t.model}"
-            if not t.ok:
+            fix = (f"give the router the engine's own tokenizer files: --tokenizer {t.model}=PATH, the folder the "
+                   "engine loads (tokenizer.json, tokenizer_config.json with its chat_template)")
+            if t.recent_mismatched:
                 last = t.last_mismatch
                 example = (f"; last: worker {last.worker_id} counted {last.engine_tokens} prompt tokens, the "
                            f"router {last.router_tokens}" if last is not None else "")
@@ -577,9 +579,15 @@ def check_router_tokenizers(routers: list[RouterView]) -> list[Finding]:
                     check="router_tokenizer", status=Status.FAIL, subject=subject,
                     finding=f"{t.recent_mismatched} of the last {t.recent_window} proxied text requests were "
                             f"tokenized differently by the router and the engine{example}: the router's page "
-                            "hashes are not the engine's, so it routes as if nothing were cached",
-                    fix=f"give the router the engine's own tokenizer files: --tokenizer {t.model}=PATH, the folder "
-                        "the engine loads (tokenizer.json, tokenizer_config.json with its chat_template)"))
+                            "hashes are not the engine's, so it routes as if nothing were cached", fix=fix))
+            elif not t.ok:
+                out.append(Finding(
+                    check="router_tokenizer", status=Status.FAIL, subject=subject,
+                    finding=f"{t.recent_pages_missing} of the last {t.recent_pages_window} proxied text requests "
+                            "left no page under the router's hashes on their worker, though the prompt lengths "
+                            "agree: the engine tokenizes the same text into other tokens (a chat template that "
+                            "differs in a word, a date), or it does not cache or publish its pages",
+                    fix=fix + "; check that the worker publishes KV events (`kvtier doctor` workers, events)"))
             elif t.checked:
                 beyond = (f"; {t.cached_beyond_overlap} answer(s) found more cached than the router saw"
                           if t.cached_beyond_overlap else "")
