@@ -147,6 +147,11 @@ class RouterService:
         self._tokenizers = {model: ModelTokenizer.load(path) for model, path in settings.tokenizers.items()}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-tokenize")
         self.tokenization = TokenizationCheck()
+        for model in self._tokenizers:  # exported as 0 from the start: "no mismatch", not "no data"
+            for outcome in ("match", "mismatch"):
+                self.metrics.tokenizer_checks.labels(model, outcome)
+            for outcome in ("found", "missing"):
+                self.metrics.stored_page_checks.labels(model, outcome)
         self._mismatch_logged: dict[str, float] = {}
         self._page_checks: set[asyncio.Task] = set()
 

@@ -283,3 +283,32 @@ def test_a_router_tokenizing_unlike_the_engine_is_reported(stack, tokenizer_dir,
         assert "counted 4 prompt tokens, the router 3" in doctor.stdout, doctor.stdout
     finally:
         router.stop()
+
+
+def test_the_dashboard_shows_what_clients_feel_from_real_routers(stack):
+    """A real Prometheus scrapes both replicas; the dashboard's panels about the proxy (TTFT,
+    request time and overhead by mode and tier, tokenizer checks) then have data to show."""
+    from .prometheus_helpers import PrometheusServer, as_prometheus_query
+    from .test_prometheus import dashboard_queries
+
+    targets = ", ".join(f'"{r.url.removeprefix("http://")}"' for r in stack.routers)
+    config = f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: kvtier-router\n" \
+             f"    static_configs:\n      - targets: [{targets}]\n"
+    for i in range(2):
+        list(stack.openai(i).completions.create(model=MODEL, prompt=SYSTEM + " tell", max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True}))
+    with PrometheusServer(config=config) as prometheus:
+        wanted = ["Time to first token by mode", "Time to first token by tier", "Request time by mode",
+                  "Router overhead", "Proxied requests by outcome", "Tokenizer mismatches"]
+        queries = [(where, expr) for where, expr in dashboard_queries()
+                   if any(f"{title!r}" in where for title in wanted)]
+        assert len(queries) >= len(wanted), queries
+
+        def empty() -> list[str]:
+            return [where for where, expr in queries
+                    if not prometheus.query(as_prometheus_query(expr)).get("data", {}).get("result")]
+
+        # rates need two scrapes of each replica after its requests
+        wait_until(lambda: not empty(), timeout=30, what=lambda: f"panels with no data: {empty()}")
+        by_mode = prometheus.query('sum by (mode) (router_ttft_seconds_count)')["data"]["result"]
+        assert {r["metric"]["mode"] for r in by_mode} == {"kv"}, by_mode
