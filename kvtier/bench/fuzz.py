@@ -414,7 +414,9 @@ def sglang_events(draw, hashes: st.SearchStrategy = HASHES, array: bool | None =
     if draw(st.booleans()):
         event["lora_name"] = draw(st.none() | st.text(max_size=10))
         event["cache_salt"] = draw(st.none() | st.text(max_size=10))
-        event["extra_keys"] = draw(values())  # a newer engine's field: ignored
+        # a newer engine's field, ignored: any one msgpack value (not a broken one: that breaks
+        # the whole payload, which is then not valid)
+        event["extra_keys"] = draw(values().map(encode_msgpack).filter(_one_msgpack_value).map(msgspec.Raw))
     return event
 
 
