@@ -65,7 +65,14 @@ from kvtier.schemas.routing import (
 from kvtier.schemas.state_keys import ModelKeys, page_member
 from kvtier.schemas.tiers import Tier
 
-from .core import SELECTIONS, Router, RoutingError
+from .core import (
+    DEGRADED_ONLY_STALE,
+    DEGRADED_REBUILDING,
+    DEGRADED_STATE_STORE,
+    SELECTIONS,
+    Router,
+    RoutingError,
+)
 from .hashing import RequestPages
 from .tokenization_check import TokenizationCheck
 
@@ -94,6 +101,9 @@ class ServiceSettings:
     #: router's hash (the events' way through the pipeline takes milliseconds); 0: never
     stored_page_check_s: float = 3.0
 
+
+#: A decision degraded by one of these saw no true state of its worker's pages.
+_UNTRUSTED_STATE = frozenset({DEGRADED_STATE_STORE, DEGRADED_REBUILDING, DEGRADED_ONLY_STALE})
 
 #: Paths whose refusals take OpenAI's error shape.
 _OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
@@ -451,13 +461,15 @@ class RouterService:
                     if answer is not None and ok:
                         answer.add(chunk, keep_all=not streamed)
                     await response.write(chunk)
-                await response.write_eof()
+                # Recorded before the answer's end goes out: a client that reads /metrics or
+                # /healthz once it has its answer finds the answer counted.
                 self.metrics.proxy_requests.labels("ok" if ok else "worker_error").inc()
                 if ok:
                     self.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - received)
                     if answer is not None:
                         self._check_tokenization(route, decision, reported_usage(answer.bytes(), streamed))
                         self._check_stored_later(model, decision, outcome.pages)
+                await response.write_eof()
                 return response
         except (OSError, asyncio.TimeoutError, ClientPayloadError) as exc:
             self.metrics.proxy_requests.labels("unreachable").inc()
@@ -479,10 +491,11 @@ class RouterService:
     def _check_stored_later(self, model: str, decision: RouteResponse, pages: RequestPages | None) -> None:
         """In `settings.stored_page_check_s`, ask Redis whether the worker holds the request's
         last full page under this router's hash (router/tokenization_check.py). Skipped for a
-        decision made without tier state, a prompt shorter than a page, or while many checks
-        are already waiting (one Redis command each: a sample is enough)."""
-        if pages is None or not len(pages) or decision.degraded or len(self._page_checks) >= 256 \
-                or self.settings.stored_page_check_s <= 0:
+        decision made without the workers' true state (no state store, a store being rebuilt,
+        stale workers only), a prompt shorter than a page, or while many checks are already
+        waiting (one Redis command each: a sample is enough)."""
+        if pages is None or not len(pages) or len(self._page_checks) >= 256 \
+                or self.settings.stored_page_check_s <= 0 or _UNTRUSTED_STATE.intersection(decision.degraded):
             return
         task = asyncio.ensure_future(self._check_stored(model, decision.worker_id, pages.keys[-1]))
         self._page_checks.add(task)
