@@ -69,3 +69,19 @@ async def wait_http(session, url: str, procs: Iterable[KvtierSubprocess], timeou
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
         await asyncio.sleep(interval)
+
+
+def wait_announced(client, model: str, workers: int, procs: Iterable[KvtierSubprocess], timeout: float,
+                   what: str = "workers") -> None:
+    """Until `workers` workers of `model` hold a lease in Redis (a sync redis client), failing
+    at once with its log if one of `procs` exits meanwhile."""
+    from kvtier.schemas.state_keys import ModelKeys
+
+    leases = ModelKeys.for_model(model).leases
+    deadline = time.monotonic() + timeout
+    while client.zcard(leases) < workers:
+        for p in procs:
+            p.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not announce within {timeout:.0f}s")
+        time.sleep(0.1)

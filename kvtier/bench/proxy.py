@@ -198,10 +198,9 @@ async def _measure(workers: list[str], routers: list[str], vocabulary: list[str]
 def run_proxy_bench(args) -> int:
     import redis
 
-    from kvtier.bench.processes import KvtierSubprocess
+    from kvtier.bench.processes import KvtierSubprocess, wait_announced
     from kvtier.harness.embedded import NatsServer, RedisServer, free_port
     from kvtier.producers.sim_worker import free_port_block
-    from kvtier.schemas.state_keys import ModelKeys
 
     work = tempfile.mkdtemp(prefix="kvtier-bench-proxy-")
     tokenizer = os.path.join(work, "tokenizer")
@@ -227,14 +226,7 @@ def run_proxy_bench(args) -> int:
                      f"tcp://127.0.0.1:{replay}", "--worker-id", f"w{i}", "--model", MODEL, "--page-size",
                      str(PAGE_SIZE), "--nats", nats.url, "--worker-url", url, *quiet], work, f"bridge-{i}"))
                 workers.append(url)
-            leases = ModelKeys.for_model(MODEL).leases
-            deadline = time.monotonic() + 60
-            while client.zcard(leases) < args.workers:
-                for p in processes:
-                    p.check()
-                if time.monotonic() > deadline:
-                    raise SystemExit("the workers did not announce within 60 s")
-                time.sleep(0.1)
+            wait_announced(client, MODEL, args.workers, processes, timeout=60)
             routers = []
             for i in range(args.replicas):
                 port = free_port()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvtier.bench import clients
 from kvtier.bench.policies import DEVICE_ONLY
-from kvtier.bench.processes import KvtierSubprocess, wait_http
+from kvtier.bench.processes import KvtierSubprocess, wait_announced, wait_http
 from kvtier.bench.trace import TraceRequest, trace_tokens
 from kvtier.producers.cost_model import COST_FLAGS
 from kvtier.producers.sim_cluster import ClusterShape
@@ -111,7 +111,6 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
 
     from kvtier.harness.embedded import free_port
     from kvtier.producers.sim_worker import free_port_block
-    from kvtier.schemas.state_keys import ModelKeys
 
     model = f"replay-{policy}"
     zmq_base = free_port_block(shape.workers)
@@ -158,15 +157,11 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
                 await wait_http(session, url + "/healthz", procs)
             if routers:
                 client = redis_sync.Redis.from_url(redis_url)
-                leases = ModelKeys.for_model(model).leases
-                deadline = time.monotonic() + 30
-                while client.zcard(leases) < shape.workers:
-                    for p in procs:
-                        p.check()
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{policy}: workers did not announce within 30s")
-                    await asyncio.sleep(0.1)
-                client.close()
+                try:
+                    await asyncio.to_thread(wait_announced, client, model, shape.workers, procs, 30,
+                                            f"{policy}: workers")
+                finally:
+                    client.close()
             await _replay(policy, requests, shape, time_scale, session, sim_url, routers, rng, result, progress)
     finally:
         for p in reversed(procs):
