@@ -28,6 +28,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from kvtier.schemas.openai import reported_usage
+
 MODEL = "bench/proxy-model"
 PAGE_SIZE = 64
 SPECIAL = ["<s>", "</s>"]
@@ -84,21 +86,18 @@ async def _timed_completion(session, url: str, body: bytes) -> Timed:
                 first = time.perf_counter()
             tail = (tail + chunk)[-4096:]
         done = time.perf_counter()
-    usage = 0
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b'"usage":{' in line:
-            usage = json.loads(line[6:])["usage"]["prompt_tokens"]
-            break
+    usage = reported_usage(tail, streamed=True)
     router_ms = r.headers.get("X-Kvtier-Router-Ms")
     return Timed(ttft_s=(first or done) - started, total_s=done - started,
                  router_ms=float(router_ms) if router_ms is not None else None,
-                 worker=r.headers.get("X-Kvtier-Worker", ""), prompt_tokens=usage)
+                 worker=r.headers.get("X-Kvtier-Worker", ""), prompt_tokens=usage.prompt_tokens if usage else 0)
 
 
-def _metric(text: str, name: str) -> float:
-    """The sum of one metric's samples in a Prometheus text page."""
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of one metric's samples in a Prometheus text page, of those with `labels`."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+               if (line.startswith(name + " ") or line.startswith(name + "{"))
+               and all(f'{key}="{value}"' in line for key, value in labels.items()))
 
 
 def _prompt(rng: random.Random, vocabulary: list[str], tokens: int) -> str:
@@ -165,8 +164,7 @@ async def _measure(workers: list[str], routers: list[str], vocabulary: list[str]
     added = [(r.ttft_s - d.ttft_s) * 1000 for d, r in zip(direct, routed, strict=True)]
     router_ms = [r.router_ms for r in routed if r.router_ms is not None]
     miscounted = sum(1 for r in routed if r.prompt_tokens != args.prompt_tokens)
-    mismatches = sum(float(line.rsplit(" ", 1)[1]) for text in metrics for line in text.splitlines()
-                     if line.startswith("router_tokenizer_checks_total{") and 'outcome="mismatch"' in line)
+    mismatches = sum(_metric(text, "router_tokenizer_checks_total", outcome="mismatch") for text in metrics)
     def mean_ms(name: str) -> float:
         sums = [_metric(text, name + "_sum") for text in sequential]
         counts = [_metric(text, name + "_count") for text in sequential]

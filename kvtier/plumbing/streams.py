@@ -82,12 +82,17 @@ async def connect_nats(url: str, name: str, stop: asyncio.Event | None = None, r
                         explain(exc, seen), retry_s)
         if stop is None:
             await asyncio.sleep(retry_s)
-            continue
-        try:
-            await asyncio.wait_for(stop.wait(), retry_s)
+        elif await _stopped_within(stop, retry_s):
             return None
-        except asyncio.TimeoutError:
-            pass
+async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait up to `seconds` for `stop`; True if it was set (a retry loop then gives up)."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
 _PARTITION_RE = re.compile(r"partition\((\d+)")
 
 
@@ -180,11 +185,8 @@ async def ensure_streams_when_ready(js: JetStreamContext, settings: StreamSettin
             reason = "timed out" if isinstance(exc, nats.errors.TimeoutError) else (
                 exc.description or "JetStream is not enabled or not ready")
             log.warning("JetStream cannot set up the streams yet (%s); retrying in %.0fs", reason, retry_s)
-        try:
-            await asyncio.wait_for(stop.wait(), retry_s)
+        if await _stopped_within(stop, retry_s):
             return None
-        except asyncio.TimeoutError:
-            pass
 
 
 #: JetStream's answers when a stream's replicas cannot be placed: a standalone server (10074),
