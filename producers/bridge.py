@@ -8,7 +8,8 @@ Per DP rank (port base + r) one `RankBridge` keeps the worker's order end to end
   downstream, and the replay buffer is forwarded to rebuild as much as it holds;
 - a restarted bridge continues the old epoch when the engine's replay buffer still holds
   the last batch it forwarded (same seq, same ts): no state is dropped for a bridge restart;
-- a heartbeat announces metadata and extends the worker's lease.
+- a heartbeat announces metadata and extends the worker's lease, only while the engine
+  answers its health endpoint (with a worker URL): a dead engine's lease runs out.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import msgspec
 import nats
 import nats.errors
@@ -74,6 +76,20 @@ START_REPLAY_ATTEMPTS = 3
 DUPLICATES = Counter("kvtier_bridge_duplicate_publishes_total",
                      "Batches the stream dropped as duplicates of a message this bridge did not send", ["worker"])
 LAST_SEQ = Gauge("kvtier_bridge_last_engine_seq", "Last engine seq forwarded", ["worker"])
+ENGINE_UP = Gauge("kvtier_bridge_engine_up",
+                  "1 while the engine answers its health endpoint, 0 while it does not (its workers' leases are "
+                  "then not renewed)", ["worker"])
+ENGINE_HEALTH_FAILURES = Counter("kvtier_bridge_engine_health_failures_total",
+                                 "Engine health checks that failed (reason: unreachable, timeout, status)",
+                                 ["worker", "reason"])
+
+
+@dataclass(frozen=True)
+class EngineHealthCheck:
+    """GET `url` must answer 2xx within `timeout_s` for the worker's lease to be renewed."""
+
+    url: str
+    timeout_s: float
 
 
 @dataclass
@@ -102,6 +118,8 @@ class BridgeConfig:
     engine_version: str = ""
     heartbeat_s: float = 2.0
     lease_ttl_s: float = 10.0
+    #: None: the lease is renewed whatever the engine does (no worker URL, or the check is off).
+    engine_health: EngineHealthCheck | None = None
     max_batches_per_message: int = 512
     max_pages_per_message: int = 16384
     keep_token_ids: bool = True
@@ -127,9 +145,65 @@ class BridgeConfig:
         )
 
 
+class EngineProbe:
+    """Whether the engine answers its health endpoint, shared by all its DP ranks: one GET serves
+    every rank asking within half a heartbeat of it, so no rank renews its lease on an answer
+    older than that, and an outage is logged once, when it begins, and once when it ends."""
+
+    def __init__(self, check: EngineHealthCheck, label: str, reuse_s: float):
+        self.check = check
+        self.label = label
+        self.reuse_s = reuse_s
+        self._session: aiohttp.ClientSession | None = None
+        self._asking: asyncio.Task[bool] | None = None
+        self._answered_at = float("-inf")
+        self._up: bool | None = None  # None: not asked yet
+
+    async def answers(self) -> bool:
+        fresh = time.monotonic() - self._answered_at < self.reuse_s
+        if self._asking is None or (self._asking.done() and not fresh):
+            self._asking = asyncio.create_task(self._ask())
+        # shielded: a rank stopping must not cancel the answer the other ranks wait for
+        return await asyncio.shield(self._asking)
+
+    async def _ask(self) -> bool:
+        if self._session is None:
+            # trust_env off: the engine is never behind a proxy (as for --sglang-url discovery)
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.check.timeout_s))
+        failure, reason = "", ""
+        try:
+            async with self._session.get(self.check.url, allow_redirects=False) as reply:
+                await reply.read()
+                if not 200 <= reply.status < 300:
+                    failure, reason = f"HTTP {reply.status}", "status"
+        except TimeoutError:  # before ClientError: aiohttp's timeouts are both
+            failure, reason = f"no answer within {self.check.timeout_s:g}s", "timeout"
+        except (aiohttp.ClientError, OSError) as exc:
+            failure, reason = str(exc) or type(exc).__name__, "unreachable"
+        self._answered_at = time.monotonic()
+        ENGINE_UP.labels(self.label).set(0 if failure else 1)
+        if failure:
+            ENGINE_HEALTH_FAILURES.labels(self.label, reason).inc()
+            if self._up is not False:
+                log.warning("%s: the engine does not answer GET %s (%s); its lease is not renewed until it does "
+                            "(routers stop choosing it once the lease runs out)", self.label, self.check.url, failure)
+        elif self._up is False:
+            log.warning("%s: the engine answers GET %s again; renewing its lease", self.label, self.check.url)
+        self._up = not failure
+        return not failure
+
+    async def close(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
+            await asyncio.gather(self._asking, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+
 class RankBridge:
-    def __init__(self, config: BridgeConfig, nc, zctx: zmq.asyncio.Context):
+    def __init__(self, config: BridgeConfig, nc, zctx: zmq.asyncio.Context, engine: EngineProbe | None = None):
         self.cfg = config
+        self.engine = engine
         self.nc = nc
         self.js = nc.jetstream()
         self.zctx = zctx
@@ -157,11 +231,17 @@ class RankBridge:
         try:
             async with self.lock:
                 cursor = await self._load_cursor()
-                # Renew the lease first: catching up from the replay buffer can take longer
-                # than a lease, and the worker is alive all along.
-                await self._announce(cursor)
+                # Renew the lease before catching up: that can take longer than a lease, and a
+                # worker whose engine answers is alive all along. One whose engine has not
+                # answered yet (still loading its model, or dead) is not announced at all, not
+                # even for a moment: a live lease is what makes routers choose a worker, and what
+                # they send there would wait or fail. Its events are forwarded all the same, so
+                # its state is exact when the first heartbeat that finds it answering announces it.
+                if await self._engine_answers():
+                    await self._announce(cursor)
                 await self._start(cursor)
-                await self._announce()
+                if await self._engine_answers():
+                    await self._announce()
             tasks = [asyncio.create_task(self._live(sub)), asyncio.create_task(self._heartbeat())]
             stopper = asyncio.create_task(self.stopping.wait())
             await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -437,11 +517,20 @@ class RankBridge:
         )
         await self._publish(self.subject, encode_message(announce))
 
+    async def _engine_answers(self) -> bool:
+        return self.engine is None or await self.engine.answers()
+
     async def _heartbeat(self) -> None:
+        due = time.monotonic() + self.cfg.heartbeat_s
         while not self.stopping.is_set():
-            await asyncio.sleep(self.cfg.heartbeat_s)
-            async with self.lock:
-                await self._announce()
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            # The engine is asked right before each renewal, so a lease never rests on an old
+            # answer; the time it takes to answer (SGLang's /health: a second or more) comes out
+            # of the interval instead of stretching it towards the lease's end.
+            if await self._engine_answers():
+                async with self.lock:
+                    await self._announce()
+            due = max(due + self.cfg.heartbeat_s, time.monotonic())
 
     async def _on_control(self, msg) -> None:
         try:
@@ -543,11 +632,13 @@ async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:
     if nc is None:
         return
     zctx = zmq.asyncio.Context()
+    engine = (EngineProbe(config.engine_health, config.engine_worker_id or config.worker_id,
+                          reuse_s=config.heartbeat_s / 2) if config.engine_health else None)
     try:
         if await ensure_streams_when_ready(nc.jetstream(), config.streams, stop,
                                            partitions_explicit=config.partitions_explicit) is None:
             return
-        bridges = [RankBridge(c, nc, zctx) for c in rank_configs(config)]
+        bridges = [RankBridge(c, nc, zctx, engine) for c in rank_configs(config)]
         runs = [asyncio.create_task(b.run()) for b in bridges]
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopper, *runs], return_when=asyncio.FIRST_COMPLETED)
@@ -559,5 +650,7 @@ async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
     finally:
+        if engine is not None:
+            await engine.close()
         await nc.drain()
         zctx.term()

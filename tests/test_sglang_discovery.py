@@ -176,7 +176,7 @@ def decoded(info: dict, layout: dict | None) -> tuple[ServerInfo, L3CacheLayout 
 
 # --- a fake SGLang HTTP server ----------------------------------------------------------------
 class FakeSglang:
-    """Serves fixed /server_info and /get_hicache_l3_cache_layout replies on a free loopback port
+    """Serves fixed /server_info and /get_hicache_l3_cache_layout replies, and /health, on a free loopback port
     (layout None: no such route, as before SGLang had it; legacy: only /get_server_info)."""
 
     def __init__(self, info: dict, layout: dict | None, legacy: bool = False, api_key: str = ""):
@@ -186,6 +186,8 @@ class FakeSglang:
         app.router.add_get("/get_server_info" if legacy else "/server_info", self._info)
         if layout is not None:
             app.router.add_get("/get_hicache_l3_cache_layout", self._layout)
+        # SGLang's liveness endpoint (no API key), which the bridge asks before renewing the lease
+        app.router.add_get("/health", lambda request: web.Response(text=""))
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())

@@ -18,7 +18,8 @@ def register(sub) -> None:
                        description="Subscribe to an SGLang worker's KV events (--kv-events-config publisher zmq) and "
                                    "publish them, in order and gap-free, to JetStream subject "
                                    "kvtier.events.<model>.<worker>. Recovers missed batches from the engine's replay "
-                                   "socket and announces the worker (metadata + lease) every heartbeat.")
+                                   "socket and announces the worker (metadata + lease) every heartbeat while its "
+                                   "engine answers its health endpoint.")
     b.add_argument("--sglang-url", default="",
                    help="The SGLang server's HTTP address (e.g. http://10.0.0.5:30000). At start the bridge reads its "
                         "/server_info and /get_hicache_l3_cache_layout and takes the endpoints, page size, DP/TP/PP "
@@ -69,12 +70,23 @@ def register(sub) -> None:
                    default=None, help="The worker's SGLang --hicache-write-policy (with --sglang-url: read from "
                                       "the server).")
     b.add_argument("--worker-url", default=None, dest="http_endpoint",
-                   help="The engine's HTTP base URL (e.g. http://10.0.0.5:30000), for a router in --proxy mode "
-                        "(default: --sglang-url).")
+                   help="The engine's HTTP base URL (e.g. http://10.0.0.5:30000), for a router in --proxy mode and "
+                        "for the bridge's engine health check (--engine-health-path; default: --sglang-url).")
     b.add_argument("--heartbeat", type=positive_float, default=2.0, dest="heartbeat_s",
                    help="Seconds between announcements (metadata + lease renewal).")
     b.add_argument("--lease-ttl", type=positive_float, default=10.0, dest="lease_ttl_s",
                    help="Seconds a worker stays live without a heartbeat; then its pages are removed.")
+    b.add_argument("--engine-health-path", default="/health",
+                   help="Path under the worker URL (--worker-url, else --sglang-url) of the engine's health endpoint "
+                        "(SGLang: /health). Before each heartbeat the bridge GETs it and renews the worker's lease "
+                        "only on a 2xx answer, so a dead or hung engine's lease runs out (--lease-ttl) and routers "
+                        "stop choosing it; a worker whose engine has not answered yet is not announced. KV events "
+                        "are forwarded either way. '' turns the check off (the lease is renewed whatever the engine "
+                        "does); without a worker URL there is nothing to check.")
+    b.add_argument("--engine-health-timeout", type=positive_float, default=None, dest="engine_health_timeout_s",
+                   help="Seconds to wait for the engine's health answer; none counts as down. SGLang answers /health "
+                        "only after polling its scheduler for a second or two, so keep this above 2. Must be shorter "
+                        "than --lease-ttl (default: 5, or half of --lease-ttl when that is shorter).")
     b.add_argument("--max-batches-per-message", type=positive_int, default=512,
                    help="Engine batches a burst may merge into one NATS message.")
     b.add_argument("--max-pages-per-message", type=positive_int, default=16384,
@@ -90,9 +102,10 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from kvtier.producers.bridge import BridgeConfig, run_bridge
+    from kvtier.producers.bridge import BridgeConfig, EngineHealthCheck, run_bridge
     from kvtier.producers.sglang_discovery import WorkerFlags, resolve_worker
 
+    health_path = _engine_health_path(args)
     streams, explicit = stream_settings(args)
     worker = resolve_worker(WorkerFlags(
         endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic, model=args.model,
@@ -113,8 +126,25 @@ def run(args) -> None:
         engine_version=worker.engine_version, hicache_enabled=worker.hicache_enabled,
         hicache_write_policy=worker.hicache_write_policy,
         heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s, replay_timeout_s=args.replay_timeout_s,
+        engine_health=EngineHealthCheck(url=worker.http_endpoint.rstrip("/") + health_path,
+                                        timeout_s=args.engine_health_timeout_s)
+        if worker.http_endpoint and health_path else None,
         max_batches_per_message=args.max_batches_per_message,
         max_pages_per_message=args.max_pages_per_message, keep_token_ids=not args.drop_token_ids,
         streams=streams, partitions_explicit=explicit,
     )
     run_until_signal(lambda stop: run_bridge(config, stop))
+
+
+def _engine_health_path(args) -> str:
+    """--engine-health-path, checked before anything is contacted (ValueError: one line, exit 2)."""
+    path = args.engine_health_path.strip()
+    if args.engine_health_timeout_s is None:
+        args.engine_health_timeout_s = min(5.0, args.lease_ttl_s / 2)
+    if path and not path.startswith("/"):
+        raise ValueError(f"--engine-health-path {path!r} must start with '/' (e.g. /health), or be '' for no check")
+    if path and args.engine_health_timeout_s >= args.lease_ttl_s:
+        # A healthy engine answering near the timeout would let the lease run out between renewals.
+        raise ValueError(f"--engine-health-timeout ({args.engine_health_timeout_s:g}s) must be shorter than "
+                         f"--lease-ttl ({args.lease_ttl_s:g}s)")
+    return path
