@@ -56,6 +56,12 @@ def tolerate_undecodable_subjects(nc) -> None:
     nc._kvtier_tolerant_subjects = True
 
 
+#: A pull request nobody answered (nats-py turns a request with no responder into this status).
+_NO_RESPONDERS = "503"
+#: How long pulls nobody answers may go on before the consumer counts as gone (seconds).
+NO_RESPONDERS_GRACE_S = 10.0
+
+
 class ConsumerGone(RuntimeError):
     """The server ended our pulls for good (consumer deleted, leadership change, ...)."""
 
@@ -71,6 +77,8 @@ class PullStream:
         self.outstanding = 0
         self.expires_s = expires_s
         self._last_heard = time.monotonic()
+        self._unanswered_since: float | None = None  # the first of the no-responder answers in a row
+        self._ask_again_at = 0.0
 
     async def start(self) -> PullStream:
         tolerate_undecodable_subjects(self.nc)
@@ -89,6 +97,8 @@ class PullStream:
         # status: past their expiry with nothing heard, count them as gone and ask again.
         if self.outstanding and time.monotonic() - self._last_heard > self.expires_s + 1.0:
             self.outstanding = 0
+        if time.monotonic() < self._ask_again_at:
+            return
         # Two batches in flight: the next one is already requested while this one is applied.
         if self.outstanding <= self.max_batch:
             wanted = 2 * self.max_batch - self.outstanding
@@ -105,6 +115,7 @@ class PullStream:
         status = headers.get(_STATUS)
         if not status:
             self.outstanding -= 1
+            self._unanswered_since = None
             return True
         if status == _HEARTBEAT:
             return False
@@ -113,6 +124,17 @@ class PullStream:
             self.outstanding = max(0, self.outstanding - int(pending)) if pending else 0
             return False
         description = headers.get("Description", "")
+        if status == _NO_RESPONDERS:
+            # Nobody took the request: in a cluster, the consumer's leader is moving (a node was
+            # lost) and another answers within seconds. Ask again a little later; only a
+            # consumer that stays unanswered for NO_RESPONDERS_GRACE_S is gone.
+            now = time.monotonic()
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+            if now - self._unanswered_since <= NO_RESPONDERS_GRACE_S:
+                self.outstanding = 0
+                self._ask_again_at = now + 0.25
+                return False
         if status == "409" and "Exceeded" in description:
             self.outstanding = 0  # the request was refused as a whole; ask again
             return False
