@@ -34,6 +34,8 @@ With `--l3 --mooncake-rpc HOST:PORT --mooncake-metadata URL` the L3 pool is a re
 store instead: pages are written and looked up as SGLang HiCache's Mooncake backend names them,
 and a router asks the master itself.
   GET  /healthz
+  GET  /health, /w/<rank>/health   200 while serving, as SGLang's /health: what `kvtier bridge`
+        asks before it renews a worker's lease (its --worker-url is a rank's /w/<rank>)
 
 Every body is a schemas/ type: the sim-worker's own in schemas/sim.py, those it shares with
 SGLang and Mooncake in schemas/sglang_server.py and schemas/mooncake.py.
@@ -93,6 +95,10 @@ class SimWorkerConfig:
     mooncake_metadata: str = ""
     tokenizer: str = ""  # a tokenizer folder: serve the OpenAI-compatible API
     model: str = "sim"  # the model name OpenAI answers carry
+    #: answer the OpenAI API in wall time: the first byte after the simulated TTFT (queue
+    #: included), the end after the simulated end-to-end latency, as a loaded engine would
+    #: (load benches); off: answers at once, the times only reported
+    pace: bool = False
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -278,7 +284,7 @@ class SimWorkers:
             return _openai_error(400, "this sim-worker has no tokenizer (start it with --tokenizer)")
         elif isinstance(body, ChatCompletionRequest):
             try:
-                tokens = tokenizer.encode_chat([m.template_input() for m in body.messages])
+                tokens = tokenizer.tokenize_chat_request(body).ids
             except ChatTemplateError as exc:
                 return _openai_error(400, str(exc))
         else:
@@ -289,6 +295,8 @@ class SimWorkers:
             self._latest_served[rank] = max(self._latest_served[rank], now)
             result = self.sims[rank].serve(tokens, now, budget)
             self._flush(rank)
+        first_byte_s, rest_s = ((result.ttft_s, max(0.0, result.complete_at - now - result.ttft_s))
+                                if self.config.pace else (0.0, 0.0))
         cached = (result.device_hit_pages + result.host_hit_pages + result.l3_hit_pages) * self.config.sim.page_size
         usage = Usage(prompt_tokens=len(tokens), completion_tokens=budget, total_tokens=len(tokens) + budget,
                       prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
@@ -302,9 +310,11 @@ class SimWorkers:
             else:
                 reply = CompletionResponse(id=ident, created=created, model=model, usage=usage,
                                            choices=[CompletionChoice(text=text, finish_reason="length")])
+            await asyncio.sleep(first_byte_s + rest_s)
             return web.Response(body=_json.encode(reply), content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        await asyncio.sleep(first_byte_s)
         if chat:
             chunks: list[msgspec.Struct] = [
                 ChatCompletionResponse(id=ident, object="chat.completion.chunk", created=created, model=model,
@@ -321,8 +331,10 @@ class SimWorkers:
                                          choices=[CompletionChoice(finish_reason="length")])]
             if body.stream_options and body.stream_options.include_usage:
                 chunks.append(CompletionResponse(id=ident, created=created, model=model, choices=[], usage=usage))
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
+            if i == 0:
+                await asyncio.sleep(rest_s)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -361,6 +373,12 @@ class SimWorkers:
         return json_response(SimHealth(ranks=len(self.sims), now=self._now,
                                        l3_pages=len(self.pool) if self.pool is not None else None))
 
+    async def health(self, request: web.Request) -> web.Response:
+        rank = request.match_info.get("rank")
+        if rank is not None and not 0 <= int(rank) < len(self.sims):
+            raise web.HTTPNotFound(reason=f"no rank {rank}; this sim-worker has {len(self.sims)}")
+        return web.Response(status=200)
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)
         app.router.add_post("/w/{rank}/generate", self.generate)
@@ -372,6 +390,8 @@ class SimWorkers:
         app.router.add_post("/w/{rank}/flush_cache", self.flush_cache)
         app.router.add_get("/batch_query_keys", self.batch_query_keys)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/health", self.health)
+        app.router.add_get(r"/w/{rank:\d+}/health", self.health)
         return app
 
     def close(self) -> None:

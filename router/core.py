@@ -40,11 +40,13 @@ from kvtier.schemas.routing import (
     ScoringWeights,
     TierOverlap,
 )
-from kvtier.schemas.subjects import subject_token
+from kvtier.schemas.state_keys import ModelKeys
+from kvtier.schemas.subjects import name_of_token, subject_token
 from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
 
 from . import scoring
 from .booking import AlreadyBooked, LoadBook
+from .breaker import CircuitBreaker
 from .hashing import RequestPages
 from .metrics import RouterMetrics
 from .mirror import MirroredOverlapReader, TierMirror
@@ -91,6 +93,13 @@ class DuplicateRequest(RoutingError):
     status = 409
 
 
+class Busy(RoutingError):
+    """Every candidate is at or over a busy threshold: the request should wait (the service's
+    queue) or be refused with Retry-After."""
+
+    status = 503
+
+
 @dataclass
 class RouterSettings:
     weights: ScoringWeights = field(default_factory=ScoringWeights)
@@ -110,6 +119,17 @@ class RouterSettings:
     #: model following the change feed (router/mirror.py), or "redis", the Lua walk in Redis
     #: for every decision. Predicted pages live in Redis only: with them on, the walk is used.
     state_source: str = "mirror"
+    #: A worker failed this many times in a row before its first byte is left out for
+    #: `breaker_backoff_s` (doubling while it keeps failing): router/breaker.py
+    breaker_failures: int = 3
+    breaker_backoff_s: float = 5.0
+    #: A worker whose booked prefill (tokens) or decode (pages) is at or over these takes no new
+    #: request (0: no threshold); when every candidate is, the decision raises Busy.
+    #: Changed at run time through the service's /v1/admission.
+    busy_prefill_tokens: int = 0
+    busy_decode_pages: int = 0
+    #: How long a session id keeps its worker (seconds since its last request).
+    session_ttl_s: float = 600.0
     #: How long the index's XREAD waits for new feed entries (ms); below the client's socket
     #: timeout, so a quiet feed is not a failed read.
     index_block_ms: int = 100
@@ -180,6 +200,7 @@ class Router:
             self.mirror = TierMirror(redis_client, metrics, block_ms=settings.index_block_ms)
             self.reader = MirroredOverlapReader(redis_client, self.mirror, walk)
         self.book = LoadBook(redis_client, settings.booking_ttl_s)
+        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_backoff_s)
         self.shared_pool = shared_pool
         self.decision_log = decision_log
         self.rng = rng or random.Random()
@@ -214,22 +235,25 @@ class Router:
         self.metrics.state_store_up.set(1)
 
     # --- the decision -------------------------------------------------------------------
-    async def route(self, request: RouteRequest) -> Outcome:
+    async def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Outcome:
+        """`exclude`: workers this request already failed on (the proxy's migration); they are
+        not candidates, nor are workers whose circuit is open (router/breaker.py) unless no
+        other is left."""
         started = time.perf_counter()
         weights = request.overrides.applied_to(self.settings.weights) if request.overrides else self.settings.weights
         request_id = request.request_id or uuid.uuid4().hex
         u = self.rng.random()
         if not self._state_available():
-            return self._route_without_state(request, request_id, weights, u, started)
+            return self._route_without_state(request, request_id, weights, u, started, exclude=exclude)
         try:
-            return await self._route_with_state(request, request_id, weights, u, started)
+            return await self._route_with_state(request, request_id, weights, u, started, exclude)
         except RoutingError:
             raise
         except redis.exceptions.ResponseError:
             raise  # Redis answered: a bug to see, not an outage to route around
         except (OSError, asyncio.TimeoutError, redis.exceptions.RedisError) as exc:
             self._state_failed(exc)
-            return self._route_without_state(request, request_id, weights, u, started)
+            return self._route_without_state(request, request_id, weights, u, started, exclude=exclude)
 
     async def _directory(self, model: str, refresh: bool = False) -> ModelDirectory:
         directory = await self.directory.get(model, refresh=refresh)
@@ -241,8 +265,36 @@ class Router:
         self.models_seen.add(model)
         return directory
 
+    def _reachable(self, model: str, workers: list, exclude: frozenset[str], worker_of=lambda w: w) -> list:
+        """`workers` less those excluded and those whose circuit is open; the open ones are
+        kept when nothing else is left (better a worker that failed lately than none)."""
+        left_out = self.breaker.left_out(model)
+        if not exclude and not left_out:
+            return workers
+        untried = [w for w in workers if worker_of(w) not in exclude]
+        if not untried:
+            raise NoWorkers(f"no other worker of model {model!r} to try (tried: {', '.join(sorted(exclude))})")
+        closed = [w for w in untried if worker_of(w) not in left_out]
+        return closed or untried
+
+    def _admitted(self, model: str, views: list[WorkerView]) -> list[WorkerView]:
+        """The views of workers under both busy thresholds; Busy when none is."""
+        prefill, decode = self.settings.busy_prefill_tokens, self.settings.busy_decode_pages
+        if not prefill and not decode:
+            return views
+        under = [v for v in views if not (prefill and v.prefill_load * max(v.page_size, 1) >= prefill)
+                 and not (decode and v.decode_load >= decode)]
+        if not under:
+            raise Busy(f"every worker of model {model!r} is at its busy threshold (booked prefill >= {prefill} "
+                       f"tokens or decode >= {decode} pages)")
+        return under
+
+    async def _session_worker(self, model: str, session_id: str) -> str | None:
+        raw = await self.redis.get(ModelKeys.for_model(model).session(session_id))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
     async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
-                                u: float, started: float) -> Outcome:
+                                u: float, started: float, exclude: frozenset[str] = frozenset()) -> Outcome:
         model = request.model
         directory = await self._directory(model)
         views = Views()
@@ -285,7 +337,8 @@ class Router:
             # The store lost this model's state and it is being rebuilt: what it holds is not
             # what the workers hold. Route on load alone, among every live worker.
             if not views:
-                return self._route_without_state(request, request_id, weights, u, started, DEGRADED_REBUILDING)
+                return self._route_without_state(request, request_id, weights, u, started, DEGRADED_REBUILDING,
+                                                 exclude=exclude)
             fresh = [WorkerView(v.worker_id, v.status, v.page_size, TierOverlap(), v.prefill_load, v.decode_load)
                      for v in views]
             shared = None
@@ -298,6 +351,7 @@ class Router:
             fresh = [WorkerView(v.worker_id, v.status, v.page_size, TierOverlap(), v.prefill_load, v.decode_load)
                      for v in stale]
             degraded.append(DEGRADED_ONLY_STALE)
+        fresh = self._admitted(model, self._reachable(model, fresh, exclude, lambda v: v.worker_id))
         fresh.sort(key=lambda v: v.worker_id)
 
         inputs = [scoring.CandidateInputs(v.worker_id, self._with_shared(v, directory, shared, model),
@@ -308,6 +362,14 @@ class Router:
         # Workers of one model share a page size in practice; with mixed sizes the request's
         # page count is taken at the most common one, and each worker's overlap at its own.
         credits = [scoring.cache_credit(c.overlap, weights) for c in inputs]
+        affinity = ""
+        if request.session_id:
+            kept = await self._session_worker(model, request.session_id)
+            index = next((i for i, c in enumerate(inputs) if c.worker_id == kept), None)
+            if index is not None:
+                would = inputs[scoring.score(n_pages, inputs, weights, u).chosen].worker_id
+                affinity = "kept" if would == kept else "overrode"
+                fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
         predict = (pages_by_size[primary_size].keys_blob
                    if self.settings.predicted_pages and primary_size in pages_by_size else "")
         try:
@@ -335,7 +397,10 @@ class Router:
         response = RouteResponse(
             request_id=request_id, worker_id=winner.worker_id, logit=winner.logit, overlap=winner.overlap,
             candidates=candidates, request_pages=n_pages, page_size=primary_size, degraded=degraded,
-            booked=request.book, worker_url=meta.http_endpoint if meta else "")
+            booked=request.book, worker_url=meta.http_endpoint if meta else "", affinity=affinity)
+        if request.session_id and request.book:
+            await self.redis.set(ModelKeys.for_model(model).session(request.session_id), winner.worker_id,
+                                 px=max(1, int(self.settings.session_ttl_s * 1000)))
         latency = time.perf_counter() - started
         self._observe(response, shared, n_pages, latency, "kv" if self.settings.selection == "score"
                       else self.settings.selection)
@@ -411,14 +476,15 @@ class Router:
             m.shared_cache_beyond_blocks.observe(o.shared_beyond)
 
     def _route_without_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
-                             u: float, started: float, reason: str = DEGRADED_STATE_STORE) -> Outcome:
+                             u: float, started: float, reason: str = DEGRADED_STATE_STORE,
+                             exclude: frozenset[str] = frozenset()) -> Outcome:
         directory = self.directory.cached(request.model)
         if directory is None or not directory.workers:
             self.metrics.fallbacks.labels("no_known_workers").inc()
             why = ("state store is rebuilding this model's state" if reason == DEGRADED_REBUILDING
                    else f"state store unavailable ({self.last_state_error})")
             raise NoWorkers(f"{why} and no worker of model {request.model!r} known to this router yet")
-        workers = sorted(directory.workers)
+        workers = self._reachable(request.model, sorted(directory.workers), exclude)
         worker_id = self._fallback.choose(workers)
         if request.book:  # a dry run holds nothing
             self._fallback.book(request_id, worker_id)
@@ -483,7 +549,8 @@ class Router:
                 # Every model in the store, not only those this replica has routed: a load left
                 # behind by replicas that are all gone is found by the first one up again.
                 self._reconciled_at = now
-                for model in await self.directory.known_models():
+                for token in await self.directory.known_models():
+                    model = name_of_token(token)
                     if await self.book.reconcile(model):
                         self.metrics.load_reconciled.inc()
                         log.warning("model %s: booked load had drifted from its live bookings; recomputed", model)

@@ -104,9 +104,38 @@ class RouterMetrics:
                                         "whether it equals the router's (mismatch: the router's tokenizer or "
                                         "chat template is not the engine's, so its page hashes are not either)",
                                         ["model", "outcome"], registry=r)
+        self.tokenizer_unchecked = Counter("router_tokenizer_unchecked",
+                                           "Proxied chats routed on their text without a tokenization check: "
+                                           "parts the router cannot tokenize as the engine does (images, audio)",
+                                           ["model"], registry=r)
         self.stored_page_checks = Counter("router_stored_page_checks",
                                           "Proxied text requests whose worker was asked, seconds later, for the "
                                           "request's last full page under the router's hash, by outcome (found, "
                                           "missing: the engine tokenized it otherwise, evicted it already, or "
                                           "publishes no events)", ["model", "outcome"], registry=r)
+        self.upstream_failures = Counter(
+            "router_upstream_failures", "Proxied requests a worker failed before the first byte of its answer, by "
+            "reason (refused, timeout, disconnected, status_502/503/504)", ["reason"], registry=r)
+        self.migrations = Counter("router_migrations",
+                                  "Proxied requests routed again to another worker after one failed before its "
+                                  "first byte (--migration-limit)", registry=r)
+        self.circuit_open = Gauge("router_worker_circuit_open",
+                                  "1 while this replica leaves a worker out after failing to reach it "
+                                  "(--breaker-failures in a row)", ["model", "worker"], registry=r)
+        self.connections_closed = Counter("router_connections_closed",
+                                          "Client connections the router closed, by reason (idle: no request "
+                                          "head in --header-timeout; header_timeout: a head begun, not finished; "
+                                          "body_timeout; keepalive_timeout; evicted: an idle one closed for a new "
+                                          "one past --max-connections; refused: past it with none idle)",
+                                          ["reason"], registry=r)
+        self.queue_depth = Gauge("router_queue_depth",
+                                 "Requests waiting in this replica's queue for a worker under its busy thresholds",
+                                 registry=r)
+        self.queue_wait = Histogram("router_queue_wait_seconds", "Time requests waited in the queue (placed or not)",
+                                    buckets=_USER_LATENCY_BUCKETS, registry=r)
+        self.admission_refusals = Counter("router_admission_refusals",
+                                          "Requests refused with Retry-After, by reason (queue_full: 429, "
+                                          "queue_timeout and draining: 503)", ["reason"], registry=r)
+        self.draining = Gauge("router_draining", "1 while this replica drains (SIGTERM): new requests get 503",
+                              registry=r)
         self.state_store_up.set(1)

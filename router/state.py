@@ -175,7 +175,10 @@ class WorkerDirectory:
                     log.warning("worker %s/%s has unreadable metadata (%s); hashing it at the "
                                 "other workers' page size", model, worker_id, exc)
         directory = ModelDirectory(workers, time.monotonic())
-        self._models[model] = directory
+        # A name that has no worker is not kept: every unknown model a client asks would
+        # otherwise stay here (and in each housekeeping pass) for good.
+        if workers or model in self._models:
+            self._models[model] = directory
         if workers:
             self._last_known[model] = directory
         return directory

@@ -115,8 +115,28 @@ class TokenizerHealth(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool = True
 
 
+class OpenCircuitHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker this replica leaves out of its candidates for now: it failed `failures` times
+    in a row before the first byte of an answer (router/breaker.py)."""
+
+    model: str
+    worker_id: str
+    failures: int
+    reopens_in_s: float
+
+
+class QueueHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """The router's queue of requests waiting for a worker under its busy thresholds."""
+
+    depth: int = 0
+    peak: int = 0
+    size: int = 0
+    timeout_s: float = 0.0
+
+
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
-    #: "ok", or "degraded" when the state store, the shared pool, a worker's hashes or the
+    #: "ok", "draining" (SIGTERM: refusing new requests), or "degraded" when the state store,
+    #: the shared pool, a worker's hashes or the
     #: router's tokenization of a model fail.
     status: str = ""
     router_id: str = ""
@@ -138,6 +158,9 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     indexes: list[IndexHealth] = []
     #: Proxied text requests' tokenization checked against the engines (--proxy --tokenizer).
     tokenizers: list[TokenizerHealth] = []
+    #: Workers left out after failing to answer (--breaker-failures); a router too old to say: [].
+    open_circuits: list[OpenCircuitHealth] = []
+    queue: QueueHealth = QueueHealth()
 
 
 _decoder = msgspec.json.Decoder(RouterHealth)

@@ -17,6 +17,7 @@ from .limits import guarded
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 Weight = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 
 DECISION_SCHEMA_VERSION = 1
 
@@ -61,6 +62,9 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
     #: Book load on the chosen worker (False: a dry run that only scores).
     book: bool = True
+    #: A conversation's id: its requests stay on the worker that served it last while that
+    #: worker is live and under its busy thresholds (kept in Redis for --session-ttl).
+    session_id: SessionId | None = None
 
 
 class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,6 +118,33 @@ class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
     degraded: list[str] = []
     booked: bool = True
     worker_url: str = ""
+    #: With a session id: "kept" (its worker is also the formula's choice), "overrode" (its
+    #: worker was chosen over the formula's), "" (no session, or its worker was not available).
+    affinity: str = ""
+
+
+class AdmissionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Busy thresholds per worker and the router's queue (GET/PUT /v1/admission). A worker at
+    or over a threshold takes no new request; when every candidate is, a request waits in the
+    queue. 0: no threshold."""
+
+    busy_prefill_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    busy_decode_pages: Annotated[int, msgspec.Meta(ge=0)] = 0
+    queue_size: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 256
+    queue_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 10.0
+
+
+class AdmissionChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """PUT /v1/admission: the fields given change, the others stay as they are."""
+
+    busy_prefill_tokens: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
+    busy_decode_pages: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
+    queue_size: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | msgspec.UnsetType = msgspec.UNSET
+    queue_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] | msgspec.UnsetType = msgspec.UNSET
+
+    def applied_to(self, current: AdmissionSettings) -> AdmissionSettings:
+        given = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not msgspec.UNSET}
+        return msgspec.structs.replace(current, **given)
 
 
 class ReleaseStage(str, enum.Enum):

@@ -169,6 +169,10 @@ class ModelKeys:
     def bookings(self) -> str:
         return f"{self.base}:bookings"
 
+    def session(self, session_id: str) -> str:
+        """The worker a conversation last ran on (a string with a TTL: --session-ttl)."""
+        return f"{self.base}:session:{session_id}"
+
     def state(self, worker_id: str) -> str:
         return f"{self.base}:w:{worker_id}:state"
 

@@ -14,15 +14,29 @@ CONTROL_PREFIX = "kvtier.control"
 DECISIONS_STREAM = "KVTIER_DECISIONS"
 DECISIONS_PREFIX = "kvtier.decisions"
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9\-]")
+
+
+def _escaped(match: re.Match) -> str:
+    return "".join(f"_{byte:02x}" for byte in match.group().encode("utf-8", "surrogatepass"))
 
 
 def subject_token(name: str) -> str:
-    """Make a model or worker name one safe subject token: '.', '*', '>', spaces and other
-    punctuation become '_' (e.g. 'meta-llama/Llama-3.1-8B' -> 'meta-llama_Llama-3_1-8B')."""
+    """Make a model or worker name one safe subject token, one-to-one: letters, digits and '-'
+    stay, every other byte of its UTF-8 becomes '_' and two hex digits ('meta-llama/Llama-3.1-8B'
+    -> 'meta-llama_2fLlama-3_2e1-8B'). One-to-one because the token names the model's keys in
+    Redis and its subjects: a lossy mapping made 'a/b', 'a.b' and 'a_b' share one tier state."""
     if not name:
         raise ValueError("empty name cannot be a subject token")
-    return _UNSAFE.sub("_", name)
+    return _UNSAFE.sub(_escaped, name)
+
+
+_ESCAPE = re.compile(r"(?:_[0-9a-f]{2})+")
+
+
+def name_of_token(token: str) -> str:
+    """The name `subject_token` made `token` from (its inverse)."""
+    return _ESCAPE.sub(lambda m: bytes.fromhex(m.group().replace("_", "")).decode("utf-8", "surrogatepass"), token)
 
 
 def events_subject(model: str, worker_id: str) -> str:

@@ -1,7 +1,7 @@
 """A stand-in for an SGLang engine's HTTP side, for proxy tests only (no GPU here): `/generate`
 with `input_ids`, streaming SSE chunks (`data: {...}` then `data: [DONE]`) or one JSON body,
 like SGLang's native API, and `/v1/completions` with token-id prompts, streamed. It records
-what it received and can hold its first chunk until
+what it received (bodies, and /generate's headers) and can hold its first chunk until
 released, so a test can observe the router's bookings at each stage. Run as a process:
 `python -m tests.fake_engine PORT`."""
 
@@ -16,10 +16,12 @@ from aiohttp import web
 
 def build_app(hold_file: str | None = None) -> web.Application:
     received: list[dict] = []
+    headers_seen: list[dict] = []
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         received.append(body)
+        headers_seen.append(dict(request.headers))
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 3))
         if not body.get("stream"):
             return web.json_response({"text": "x" * n, "meta_info": {"prompt_tokens": len(body["input_ids"]),
@@ -66,11 +68,15 @@ def build_app(hold_file: str | None = None) -> web.Application:
     async def gone(request: web.Request) -> web.Response:
         return web.json_response(len(cancelled))
 
+    async def headers(request: web.Request) -> web.Response:
+        return web.json_response(headers_seen)
+
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/seen", seen)
     app.router.add_get("/cancelled", gone)
+    app.router.add_get("/headers", headers)
     return app
 
 

@@ -47,8 +47,9 @@ def describe_diff(client: redis.Redis, model: str, worker: str, reference: Refer
 class KvtierProcess:
     """A `kvtier` subcommand in its own process, stopped by PID."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.args = [sys.executable, "-m", "kvtier.cli", *args]
+    def __init__(self, *args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()):
+        """`prefix`: a command that runs it (e.g. `prlimit --nofile=256`)."""
+        self.args = [*prefix, sys.executable, "-m", "kvtier.cli", *args]
         self.log = tempfile.NamedTemporaryFile(prefix="kvtier-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)

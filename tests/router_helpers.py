@@ -103,14 +103,15 @@ GUIDE_LOAD_SCALE = ("--prefill-load-scale", "1")
 class RouterProcess(KvtierProcess):
     """`kvtier router` on a free port, started and stopped by PID."""
 
-    def __init__(self, redis_url: str, *extra: str, nats_url: str = "", env: dict[str, str] | None = None):
+    def __init__(self, redis_url: str, *extra: str, nats_url: str = "", env: dict[str, str] | None = None,
+                 prefix: tuple[str, ...] = ()):
         from kvtier.harness.embedded import free_port
 
         self.port = free_port()
         args = ["router", "--redis", redis_url, "--http-port", str(self.port)]
         if nats_url:
             args += ["--nats", nats_url]
-        super().__init__(*args, *extra, env=env)
+        super().__init__(*args, *extra, env=env, prefix=prefix)
         self.url = f"http://127.0.0.1:{self.port}"
         wait_until(self._up, timeout=20, what=lambda: f"router on {self.url} to answer:\n{self.output()[-2000:]}")
 

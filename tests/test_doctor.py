@@ -123,6 +123,24 @@ def test_a_router_index_not_at_the_feed_head_is_a_warning():
     assert judge.check_router_indexes(views.RedisView(url="x", reachable=False), [router(at_head)]) == []
 
 
+def test_open_circuits_waiting_requests_and_a_drain_are_warnings():
+    from kvtier.schemas.router_health import OpenCircuitHealth, QueueHealth
+
+    def router(http_status=200, **health):
+        return views.RouterView(url="r", reachable=True, http_status=http_status, healthz=RouterHealth(**health))
+
+    assert judge.check_router_front_door([router(status="ok")]) == []
+    circuit = OpenCircuitHealth(model="m", worker_id="w1", failures=3, reopens_in_s=4.2)
+    finding = _one(judge.check_router_front_door([router(open_circuits=[circuit])]), "router_circuit",
+                   views.Status.WARN)
+    assert finding.subject == "r m/w1" and "after 3 failures" in finding.finding
+    queued = router(queue=QueueHealth(depth=4, peak=9, size=256, timeout_s=10.0))
+    assert "4 requests wait" in _one(judge.check_router_front_door([queued]), "router_queue",
+                                     views.Status.WARN).finding
+    draining = _one(judge.check_routers([router(http_status=503, status="draining")]), "router", views.Status.WARN)
+    assert "draining" in draining.finding
+
+
 def test_a_router_tokenizing_unlike_its_engines_fails():
     from kvtier.schemas.openai import PromptTokensDetails, Usage
     from kvtier.schemas.router_health import RouterHealth
@@ -202,7 +220,9 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
                             "last_mismatch": {"worker_id": "w1", "router_tokens": 10, "engine_tokens": 11,
                                               "at": 1796162837.9}, "cached_beyond_overlap": 0,
                             "pages_checked": 2, "pages_missing": 0, "recent_pages_missing": 0,
-                            "recent_pages_window": 2, "ok": False}]}
+                            "recent_pages_window": 2, "ok": False}],
+            "open_circuits": [{"model": "m", "worker_id": "w3", "failures": 3, "reopens_in_s": 4.5}],
+            "queue": {"depth": 2, "peak": 7, "size": 256, "timeout_s": 10.0}}
     raw = msgspec.json.encode(body)
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw

@@ -178,6 +178,8 @@ def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, re
         assert metric_value(page, "kvtier_processor_hash_mismatch_pages_total", worker="good") == 0
         assert metric_value(page, "kvtier_processor_hash_checked_pages_total", outcome="matched") == 16
 
+        # /healthz re-reads the hash checks at most once a second
+        wait_until(lambda: http("GET", f"{router.url}/healthz")[1]["status"] == "degraded", timeout=5)
         status, health, _ = http("GET", f"{router.url}/healthz")
         assert status == 200 and health["status"] == "degraded"
         assert health["hash_scheme"]["ok"] is False

@@ -52,7 +52,7 @@ from .helpers import (
 from .router_helpers import RouterProcess, http, request_tokens
 
 MODEL = "org/replay-model"
-TOKEN = "org_replay-model"
+TOKEN = "org_2freplay-model"  # subject_token(MODEL)
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def test_decisions_are_logged_to_jetstream(redis_client, redis_server, nats_serv
                         msgs = await sub.fetch(1, timeout=1)
                     except asyncio.TimeoutError:
                         continue
-                    assert msgs[0].subject == "kvtier.decisions.org_model-1"
+                    assert msgs[0].subject == "kvtier.decisions.org_2fmodel-1"
                     return msgspec.msgpack.decode(msgs[0].data, type=RouteDecision)
                 raise AssertionError("no decision in KVTIER_DECISIONS")
             finally:

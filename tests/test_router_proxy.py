@@ -92,14 +92,21 @@ def test_proxy_refuses_bad_requests_and_reports_dead_workers(redis_client, redis
             400, {"error": "no model: send \"model\" in the body or start the router with --model"})
         status, answer, _ = http("POST", router.url + "/generate", {"model": MODEL, "input_ids": [1, "x"]})
         assert status == 400 and "$.input_ids[1]" in answer["error"]
-        status, answer, _ = http("POST", router.url + "/generate", {"model": MODEL, "input_ids": tokens})
-        assert status == 502 and "gone" in answer["error"] and "failed" in answer["error"], answer
+        # "gone" (its cache's worker) refuses, so the request migrates to "no-url", which cannot be
+        # reached either: one 502 says what each did, and names no internal address
+        status, answer, headers = http("POST", router.url + "/generate", {"model": MODEL, "input_ids": tokens})
+        assert status == 502 and "gone failed before the first byte (refused)" in answer["error"], answer
+        assert "no-url announced no HTTP endpoint" in answer["error"], answer
+        assert "127.0.0.1" not in answer["error"] and headers["X-Kvtier-Tried"] == "gone,no-url"
         # the booking of a request that could not be forwarded is given back
         wait_until(lambda: loads(redis_client, MODEL) == ({}, {}), timeout=10)
-        status, answer, _ = http("POST", router.url + "/generate", {"model": MODEL, "input_ids": other})
-        assert status == 502 and "no-url announced no HTTP endpoint" in answer["error"], answer
+        status, answer, headers = http("POST", router.url + "/generate", {"model": MODEL, "input_ids": other})
+        assert status == 502 and headers["X-Kvtier-Tried"] == "no-url,gone", (answer, headers)
         wait_until(lambda: loads(redis_client, MODEL) == ({}, {}), timeout=10)
-        assert 'router_proxy_requests_total{outcome="unreachable"} 1.0' in router.metrics()
+        metrics = router.metrics()
+        assert 'router_proxy_requests_total{outcome="unreachable"} 2.0' in metrics
+        assert 'router_upstream_failures_total{reason="refused"} 2.0' in metrics
+        assert "router_migrations_total 2.0" in metrics
     finally:
         stop_all(router)
 

@@ -31,7 +31,7 @@ from kvtier.schemas.sglang import (
     decode_payload,
     encode_payload,
 )
-from kvtier.schemas.subjects import events_subject, subject_token
+from kvtier.schemas.subjects import events_subject, name_of_token, subject_token
 from kvtier.schemas.tiers import Tier, UnknownMedium, tier_of_medium
 from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
 
@@ -141,8 +141,12 @@ def test_decoders_never_crash_on_garbage(data):
 
 
 def test_subjects_are_safe():
-    assert subject_token("meta-llama/Llama-3.1-8B") == "meta-llama_Llama-3_1-8B"
-    assert events_subject("a.b", "w*1") == "kvtier.events.a_b.w_1"
+    assert subject_token("meta-llama/Llama-3.1-8B") == "meta-llama_2fLlama-3_2e1-8B"
+    # one-to-one: names that differ only in punctuation keep apart (they once shared one state)
+    names = ["org/chat-model", "org_chat-model", "org chat-model", "org.chat-model", "a/b", "a.b", "a_2fb", "é"]
+    assert len({subject_token(n) for n in names}) == len(names)
+    assert [name_of_token(subject_token(n)) for n in names] == names
+    assert events_subject("a.b", "w*1") == "kvtier.events.a_2eb.w_2a1"
     with pytest.raises(ValueError):
         subject_token("")
 
@@ -151,7 +155,7 @@ def test_events_subjects_parse_into_their_tokens():
     from kvtier.schemas.subjects import EventsSubject, parse_events_subject
 
     stored = parse_events_subject(f"{events_subject('org/model-1', 'w.0')}.5")
-    assert stored == EventsSubject("org_model-1", "w_0", 5)
+    assert stored == EventsSubject("org_2fmodel-1", "w_2e0", 5)
     assert stored.names("org/model-1", "w.0") and not stored.names("org/model-1", "w1")
     assert parse_events_subject(events_subject("m", "w")) == EventsSubject("m", "w", None)
     for other in ("kvtier.control.m.w", "kvtier.events.m", "kvtier.events.m.w.x", "kvtier.events.m.w.1.2",

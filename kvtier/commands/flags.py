@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 
+from kvtier.plumbing.log_limit import limit_log_rate
 from kvtier.plumbing.streams import DEFAULT_PARTITIONS, StreamSettings
 from kvtier.producers.cost_model import add_cost_model_arguments
 
@@ -161,6 +162,9 @@ class UrlListAction(argparse.Action):
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="Log verbosity.")
+    p.add_argument("--log-rate-limit", type=int, default=20, metavar="N",
+                   help="At most N log records of one kind (logger and message) a minute; the rest are counted "
+                        "in the next one written, so a flood of bad requests cannot fill the disk (0: no limit).")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off).")
     p.add_argument("--metrics-host", default="127.0.0.1", help="Address the metrics server binds to.")
@@ -268,6 +272,7 @@ def setup(args) -> None:
         signal.signal(signal.SIGTERM, interrupt)
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_log_rate(getattr(args, "log_rate_limit", 0))
     configure_connections(args)
     if args.metrics_port:
         from prometheus_client import start_http_server

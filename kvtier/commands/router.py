@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.commands.flags import add_common, positive_float, positive_int, run_until_signal
+from kvtier.commands.flags import (
+    add_common,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    run_until_signal,
+)
 from kvtier.router.weight_flags import add_scoring_weight_arguments, scoring_weights_from
 
 
@@ -52,6 +59,69 @@ def register(sub) -> None:
                         "--state-timeout-ms, and would send this replica to load-only routing for everyone: raise "
                         "both together for very long contexts.")
     r.add_argument("--max-body-bytes", type=positive_int, default=32 << 20, help="Largest request body (413).")
+    r.add_argument("--max-new-tokens", type=positive_int, default=1 << 20,
+                   help="Largest output budget accepted (max_tokens, max_completion_tokens, max_new_tokens; "
+                        "larger: 400). A budget is booked as decode load, so an absurd one would push every "
+                        "other request elsewhere.")
+    r.add_argument("--max-prompt-bytes", type=positive_int, default=2 << 20,
+                   help="With --proxy: largest text prompt tokenized here (UTF-8 bytes; a chat's messages "
+                        "together), else 413, checked before tokenizing (~1 s of CPU per MB).")
+    r.add_argument("--redis-max-connections", type=positive_int, default=256,
+                   help="Redis connections of this replica; when all are busy a request waits for one (up to "
+                        "--redis-pool-wait-ms) rather than routing without tier state.")
+    r.add_argument("--redis-pool-wait-ms", type=positive_float, default=2000.0,
+                   help="How long a request waits for a free Redis connection before the replica routes "
+                        "without tier state.")
+    r.add_argument("--upstream-connections-per-worker", type=positive_int, default=256,
+                   help="With --proxy: connections kept open to each worker, a pool per worker (slow streams on "
+                        "one never hold back another); past it a request waits up to --upstream-connect-timeout.")
+    r.add_argument("--upstream-connect-timeout", type=positive_float, default=5.0, dest="upstream_connect_timeout_s",
+                   help="With --proxy: seconds to reach a worker (a free connection included); past it the "
+                        "request migrates to another worker.")
+    r.add_argument("--upstream-idle-timeout", type=positive_float, default=600.0, dest="upstream_idle_timeout_s",
+                   help="With --proxy: longest silence from a worker (no byte of its answer) before the request "
+                        "fails (before the first byte: it migrates).")
+    r.add_argument("--upstream-timeout", type=non_negative_float, default=0.0, dest="upstream_timeout_s",
+                   help="With --proxy: longest whole proxied request in seconds; 0: no limit.")
+    r.add_argument("--engine-api-key", default="",
+                   help="With --proxy: sent to workers as 'Authorization: Bearer <key>' (SGLang's --api-key); "
+                        "prefer the environment variable. The client's Authorization is never forwarded.")
+    r.add_argument("--migration-limit", type=non_negative_int, default=2,
+                   help="With --proxy: times a request whose worker refuses, times out or fails before the "
+                        "first byte is routed again among the other candidates (0: never).")
+    r.add_argument("--breaker-failures", type=positive_int, default=3,
+                   help="A worker this replica failed to reach this many times in a row is left out of the "
+                        "candidates for --breaker-backoff seconds (doubling while it keeps failing).")
+    r.add_argument("--header-timeout", type=positive_float, default=10.0, dest="header_timeout_s",
+                   help="Seconds a client has to send a whole request head (line and headers); past it the "
+                        "connection is closed (408 if a head was begun): slowloris.")
+    r.add_argument("--body-timeout", type=positive_float, default=30.0, dest="body_timeout_s",
+                   help="Seconds a client has to send a request's body after its head; past it 408 and the "
+                        "connection is closed (a body shorter than its Content-Length, an endless chunked one).")
+    r.add_argument("--keepalive-timeout", type=positive_float, default=20.0, dest="keepalive_timeout_s",
+                   help="Seconds an idle keep-alive connection stays open between requests (a load balancer in "
+                        "front that pools connections must use a shorter idle timeout).")
+    r.add_argument("--max-connections", type=non_negative_int, default=1024,
+                   help="Client connections open at once (0: no cap; also kept under the descriptor limit less "
+                        "128); past it a new one closes the longest-idle one, or is closed if none is idle.")
+    r.add_argument("--busy-prefill-tokens", type=non_negative_int, default=0,
+                   help="A worker with this many prompt tokens booked and not yet prefilled takes no new request "
+                        "(0: no threshold); when every candidate is busy, requests wait in the queue. Changeable "
+                        "at run time: PUT /v1/admission.")
+    r.add_argument("--busy-decode-pages", type=non_negative_int, default=0,
+                   help="A worker with this many KV pages booked for running requests (prompt + output budget) "
+                        "takes no new request (0: no threshold).")
+    r.add_argument("--queue-size", type=non_negative_int, default=256,
+                   help="Requests that may wait for a worker under its thresholds; past it: 429 with Retry-After.")
+    r.add_argument("--queue-timeout", type=non_negative_float, default=10.0, dest="queue_timeout_s",
+                   help="Seconds a request may wait in the queue; past it: 503 with Retry-After.")
+    r.add_argument("--drain-timeout", type=non_negative_float, default=30.0, dest="drain_timeout_s",
+                   help="On SIGTERM: new requests get 503 + Retry-After while those in flight finish, for up to "
+                        "this many seconds; then what is left is cut (its bookings released) and the router exits.")
+    r.add_argument("--session-ttl", type=positive_float, default=600.0, dest="session_ttl_s",
+                   help="Seconds a conversation's X-Session-Id keeps it on the worker that served it last.")
+    r.add_argument("--breaker-backoff", type=positive_float, default=5.0, dest="breaker_backoff_s",
+                   help="Seconds a worker is left out after --breaker-failures failures in a row.")
     r.add_argument("--proxy", action="store_true",
                    help="Also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
                         "and SGLang's /generate: route, forward the body unchanged to the worker, stream the answer "
@@ -99,7 +169,9 @@ def _auth_token(args) -> str:
 
 
 async def _run_router(args, stop) -> None:
+    from kvtier.router.http_guard import HttpLimits
     from kvtier.router.service import RouterConfig, ServiceSettings, run_router
+    from kvtier.schemas.routing import AdmissionSettings
 
     if args.shared_cache_type == "hicache" and not args.mooncake_master:
         raise SystemExit("kvtier router: --shared-cache-type hicache needs --mooncake-master http://HOST:PORT "
@@ -112,10 +184,27 @@ async def _run_router(args, stop) -> None:
         seed=args.seed,
         weights=scoring_weights_from(args),
         predicted_pages=args.predicted_pages == "on", state_source=args.state_source,
+        redis_max_connections=args.redis_max_connections, redis_pool_wait_s=args.redis_pool_wait_ms / 1000,
+        breaker_failures=args.breaker_failures,
+        breaker_backoff_s=args.breaker_backoff_s, session_ttl_s=args.session_ttl_s,
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
                                 tokenizers=dict(args.tokenizer),
-                                protect_metrics=args.protect_metrics),
+                                protect_metrics=args.protect_metrics, max_new_tokens=args.max_new_tokens,
+                                max_prompt_bytes=args.max_prompt_bytes,
+                                upstream_connections_per_worker=args.upstream_connections_per_worker,
+                                upstream_connect_timeout_s=args.upstream_connect_timeout_s,
+                                upstream_idle_timeout_s=args.upstream_idle_timeout_s,
+                                upstream_timeout_s=args.upstream_timeout_s, engine_api_key=args.engine_api_key,
+                                migration_limit=args.migration_limit, drain_timeout_s=args.drain_timeout_s,
+                                http_limits=HttpLimits(header_timeout_s=args.header_timeout_s,
+                                                       body_timeout_s=args.body_timeout_s,
+                                                       keepalive_timeout_s=args.keepalive_timeout_s,
+                                                       max_connections=args.max_connections),
+                                admission=AdmissionSettings(busy_prefill_tokens=args.busy_prefill_tokens,
+                                                            busy_decode_pages=args.busy_decode_pages,
+                                                            queue_size=args.queue_size,
+                                                            queue_timeout_s=args.queue_timeout_s)),
     )
     await run_router(config, stop, ready=lambda port: print(f"kvtier router listening on http://{args.host}:{port}",
                                                             flush=True))

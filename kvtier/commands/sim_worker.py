@@ -38,6 +38,10 @@ def register(sub) -> None:
                    help="A tokenizer folder (tokenizer.json, tokenizer_config.json): also serve the OpenAI-compatible "
                         "API (/w/<rank>/v1/completions, /w/<rank>/v1/chat/completions), tokenizing as SGLang does.")
     w.add_argument("--model", default="sim", help="The model name the OpenAI answers carry.")
+    w.add_argument("--pace", action="store_true",
+                   help="Answer the OpenAI API in wall time: the first byte after the simulated TTFT (its queue "
+                        "included), the end after the simulated end-to-end latency, as a loaded engine would (for "
+                        "load benches; default: answer at once and only report the times).")
     add_common(w)
     w.set_defaults(run=run)
 
@@ -55,5 +59,5 @@ def run(args) -> None:
     config = SimWorkerConfig(ranks=args.ranks, port=args.port, replay_port=args.replay_port,
                              http_port=args.http_port, host=args.host, sim=sim, l3_pages=args.l3_pages,
                              mooncake_rpc=args.mooncake_rpc, mooncake_metadata=args.mooncake_metadata,
-                             tokenizer=args.tokenizer, model=args.model)
+                             tokenizer=args.tokenizer, model=args.model, pace=args.pace)
     run_until_signal(lambda stop: run_sim_worker(config, stop))

@@ -66,15 +66,27 @@ def redis_client(url: str, **options):
     return redis.Redis.from_url(url, **options)
 
 
-def redis_async_client(url: str, **options):
-    """An asyncio client (redis.asyncio.Redis, or its RedisCluster for a cluster URL)."""
+def redis_async_client(url: str, *, max_connections: int = 0, pool_wait_s: float = 0.0, **options):
+    """An asyncio client (redis.asyncio.Redis, or its RedisCluster for a cluster URL).
+
+    `max_connections` > 0 bounds the pool, and a caller finding it full waits up to
+    `pool_wait_s` for a connection to come back instead of failing at once: redis-py's default
+    pool raises "Too many connections" the moment it is full, which a router under a burst took
+    for Redis being down (routing hundreds of requests without tier state, and losing their
+    releases)."""
     url, options = _secured(url, options)
     if is_cluster_url(url):
         from redis.asyncio.cluster import RedisCluster
 
+        if max_connections:
+            options = {**options, "max_connections": max_connections}
         return RedisCluster.from_url(_plain_url(url), **_cluster_options(options))
     import redis.asyncio
 
+    if max_connections:
+        pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                             timeout=pool_wait_s, **options)
+        return redis.asyncio.Redis(connection_pool=pool)
     return redis.asyncio.Redis.from_url(url, **options)
 
 

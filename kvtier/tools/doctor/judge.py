@@ -402,6 +402,12 @@ def check_routers(routers: list[RouterView]) -> list[Finding]:
                                finding=f"cannot reach the router: {r.error}",
                                fix="check the `kvtier router` process and the --router URL (its --host/--http-port)"))
             continue
+        if r.http_status == 503 and not r.error and r.healthz.status == "draining":
+            out.append(Finding(check="router", status=Status.WARN, subject=r.url,
+                               finding="draining (SIGTERM): it refuses new requests and exits once those in flight "
+                                       "finish (--drain-timeout)",
+                               fix="expected while a replica is being replaced; otherwise find who stopped it"))
+            continue
         if r.http_status != 200 or r.error:
             out.append(Finding(check="router", status=Status.FAIL, subject=r.url,
                                finding=f"/healthz answered HTTP {r.http_status}, {r.error}",
@@ -597,6 +603,31 @@ def check_router_tokenizers(routers: list[RouterView]) -> list[Finding]:
     return out
 
 
+def check_router_front_door(routers: list[RouterView]) -> list[Finding]:
+    """Workers a replica leaves out after failing to reach them (its circuit breaker), and
+    requests waiting in its queue for a worker under the busy thresholds."""
+    out = []
+    for r in routers:
+        if not r.reachable or r.error or r.http_status not in (200, 503):
+            continue
+        h = r.healthz
+        for c in h.open_circuits:
+            out.append(Finding(
+                check="router_circuit", status=Status.WARN, subject=f"{r.url} {c.model}/{c.worker_id}",
+                finding=f"the router left worker {c.worker_id} out after {c.failures} failures in a row before the "
+                        f"first byte (tries it again in {c.reopens_in_s:.0f} s)",
+                fix="check that engine answers (kvtier_bridge_engine_up, GET <worker-url>/health) and its "
+                    "bridge's --worker-url; its requests go to the other workers meanwhile"))
+        if h.queue.depth:
+            out.append(Finding(
+                check="router_queue", status=Status.WARN, subject=r.url,
+                finding=f"{h.queue.depth} requests wait for a worker under the busy thresholds (peak "
+                        f"{h.queue.peak} of --queue-size {h.queue.size})",
+                fix="every candidate is at --busy-prefill-tokens / --busy-decode-pages: add workers, or raise the "
+                    "thresholds if the engines have headroom (docs/DEPLOY.md, Admission)"))
+    return out
+
+
 def diagnose(obs: Observation) -> list[Finding]:
     return [
         *check_nats(obs.nats),
@@ -610,6 +641,7 @@ def diagnose(obs: Observation) -> list[Finding]:
         *check_routers(obs.routers),
         *check_router_indexes(obs.redis, obs.routers),
         *check_router_tokenizers(obs.routers),
+        *check_router_front_door(obs.routers),
         *check_hash_scheme(obs.redis),
         *check_dead_letters(obs.nats),
     ]

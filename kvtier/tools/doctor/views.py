@@ -27,7 +27,8 @@ class Status(str, enum.Enum):
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
     """One judged fact. `check` is a stable id (nats, streams, redis, workers, events, tiers,
-    page_size, mooncake, router, router_index, router_tokenizer, hash_scheme, dead_letters);
+    page_size, mooncake, router, router_index, router_tokenizer, router_circuit, router_queue,
+    hash_scheme, dead_letters);
     `subject` what it is about (a URL, a stream, model/worker)."""
 
     check: str
