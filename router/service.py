@@ -157,6 +157,10 @@ _LONG_PROMPT_BYTES = 64 << 10
 #: (a client's booking must still be given back).
 _ALWAYS_SERVED = frozenset({"/healthz", "/metrics", "/v1/release"})
 
+#: The least a drain lasts (seconds, within --drain-timeout): new requests are refused for at
+#: least this long before the listener closes.
+_DRAIN_LINGER_S = 1.0
+
 #: How long /healthz reuses its read of the processors' hash checks.
 _STORE_HEALTH_S = 1.0
 
@@ -309,6 +313,7 @@ class RouterService:
             self.metrics.admission_refusals.labels("draining").inc()
             response = _error(503, "this router is shutting down: send the request to another replica", None, openai)
             response.headers["Retry-After"] = "1"
+            response.force_close()  # Connection: close, so no client keeps sending on it
             return response
         if counted:
             self.in_flight += 1
@@ -365,8 +370,13 @@ class RouterService:
         self.draining = True
         self.metrics.draining.set(1)
         self.queue.close()
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight and time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline = started + timeout_s
+        # Serve the refusals for a moment even with nothing in flight: a load balancer (or a
+        # client's connection pool) learns from them to go elsewhere before the port closes,
+        # instead of sending into a connection the exit resets.
+        linger_until = started + min(timeout_s, _DRAIN_LINGER_S)
+        while (self.in_flight or time.monotonic() < linger_until) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.in_flight
 

@@ -94,6 +94,33 @@ def register(sub) -> None:
     px.add_argument("--seed", type=int, default=1)
     px.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     add_common(px)
+    ov = bench_sub.add_parser(
+        "overload", help="The front door at 2x the cluster's capacity, a sim-worker killed and a replica stopped "
+                         "mid-run, idle sockets and oversized prompts: every request accounted for.",
+        description="Paced sim-workers (answers in wall time), their bridges, NATS, a processor, Redis and two router "
+                    "replicas in proxy mode with busy thresholds, as processes on embedded loopback servers. The "
+                    "cluster's capacity is measured straight to the workers, then Poisson arrivals at 0.8x and 2x "
+                    "of it go through the replicas.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ov.add_argument("--workers", type=positive_int, default=4, help="sim-worker processes.")
+    ov.add_argument("--prompt-tokens", type=positive_int, default=2048, help="Tokens per prompt (BOS included).")
+    ov.add_argument("--max-tokens", type=positive_int, default=8, help="Output tokens per request.")
+    ov.add_argument("--capacity-seconds", type=positive_float, default=8.0, help="Length of the capacity measurement.")
+    ov.add_argument("--low-seconds", type=positive_float, default=20.0, help="Length of the 0.8x phase.")
+    ov.add_argument("--seconds", type=positive_float, default=60.0, help="Length of the 2x phase.")
+    ov.add_argument("--device-pages", type=positive_int, default=1024,
+                    help="Each sim-worker's GPU pool in pages (its host pool twice that): small enough to fill "
+                         "during the 0.8x phase, so the routers' indexes are full when memory is first measured.")
+    ov.add_argument("--busy-prefill-tokens", type=positive_int, default=4096,
+                    help="The routers' --busy-prefill-tokens (default: 2 prompts queued per worker).")
+    ov.add_argument("--queue-timeout", type=positive_float, default=0.25, help="The routers' --queue-timeout.")
+    ov.add_argument("--max-prompt-bytes", type=positive_int, default=1 << 20, help="The routers' --max-prompt-bytes.")
+    ov.add_argument("--idle-sockets", type=int, default=200, help="Idle sockets opened to a replica at 2x.")
+    ov.add_argument("--request-timeout", type=positive_float, default=30.0,
+                    help="Seconds a client waits for a whole answer before counting it lost.")
+    ov.add_argument("--seed", type=int, default=1)
+    ov.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    add_common(ov)
     rp = bench_sub.add_parser("replay", help="Replay a Mooncake-format trace on a simulated HiCache cluster, "
                                              "once per routing policy, beside the oracle and the bounds.",
                               description="Lockstep by default: the trace clock moves only when the pipeline has "
@@ -247,6 +274,12 @@ def _run_proxy(args) -> int:
     return run_proxy_bench(args)
 
 
+def _run_overload(args) -> int:
+    from kvtier.bench.overload import run_overload_bench
+
+    return run_overload_bench(args)
+
+
 def _run_ingest(args) -> int:
     from kvtier.bench.ingest import run_ingest_bench
 
@@ -281,6 +314,7 @@ RUNS = {
     "replay": _run_replay,
     "route": _run_route,
     "proxy": _run_proxy,
+    "overload": _run_overload,
     "ingest": _run_ingest,
     "soak": _run_soak,
     "faults": _run_faults,
