@@ -68,19 +68,6 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def _rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 class _Balancer:
     """The replicas in turn; one that refuses connections, or says it is shutting down (a
     draining replica's 503), is left out for the rest of the run."""
@@ -206,6 +193,8 @@ async def _index_entries(session, router: str) -> int | None:
 async def _drive(stack: _Stack, args) -> dict:
     import aiohttp
 
+    from kvtier.bench.processes import rss_mb
+
     rng = random.Random(args.seed)
     vocabulary = stack.vocabulary
 
@@ -219,19 +208,19 @@ async def _drive(stack: _Stack, args) -> dict:
         for _ in range(8):  # warm: connections, code paths
             await _one(session, balancer, prompts(), "warm-up", tally, args.request_timeout)
         capacity = await _capacity(session, stack.workers, prompts, args.capacity_seconds, 2 * len(stack.workers))
-        rss_before_load = [_rss_mb(p.live_pid) for p in stack.router_procs]
+        rss_before_load = [rss_mb(p.live_pid) for p in stack.router_procs]
         await _open_loop(session, balancer, prompts, 0.8 * capacity, args.low_seconds, "0.8x", tally, rng,
                          args.request_timeout)
         # Start: the 2x phase's, when the workers' pools are full (--device-pages), so each
         # replica's index holds as many pages as it will; before that its growth is the
         # cluster's cache filling, which it must mirror, not a leak.
-        rss_start = [_rss_mb(p.live_pid) for p in stack.router_procs]
+        rss_start = [rss_mb(p.live_pid) for p in stack.router_procs]
         entries_start = await _index_entries(session, stack.routers[0])
         rss_samples = [("2x at 0%", rss_start[0])]
 
         def sample(label: str):
             async def take() -> None:
-                rss_samples.append((label, _rss_mb(stack.router_procs[0].live_pid)))
+                rss_samples.append((label, rss_mb(stack.router_procs[0].live_pid)))
             return take
 
         idle: list[socket.socket] = []
@@ -270,7 +259,7 @@ async def _drive(stack: _Stack, args) -> dict:
             health = await _healthz(session, router)
             if health:
                 peaks.append(health["queue"]["peak"])
-        rss_end = [_rss_mb(p.live_pid) for p in stack.router_procs]
+        rss_end = [rss_mb(p.live_pid) for p in stack.router_procs]
         entries_end = await _index_entries(session, stack.routers[0])
         closed_by_router = 0
         for s in idle:
@@ -336,10 +325,9 @@ class _Stack:
 def run_overload_bench(args) -> int:
     import redis
 
-    from kvtier.bench.processes import KvtierSubprocess, wait_announced
+    from kvtier.bench.processes import KvtierSubprocess, start_sim_workers, wait_announced
     from kvtier.bench.proxy import _wait_up, write_tokenizer
     from kvtier.harness.embedded import NatsServer, RedisServer, free_port
-    from kvtier.producers.sim_worker import free_port_block
 
     work = tempfile.mkdtemp(prefix="kvtier-bench-overload-")
     tokenizer = os.path.join(work, "tokenizer")
@@ -352,22 +340,11 @@ def run_overload_bench(args) -> int:
         try:
             processes.append(KvtierSubprocess(["processor", "--nats", nats.url, "--redis", server.url, *quiet],
                                               work, "processor"))
-            workers, sims = [], []
-            for i in range(args.workers):
-                zmq, replay, port = free_port_block(1), free_port_block(1), free_port()
-                sim = KvtierSubprocess(
-                    ["sim-worker", "--port", str(zmq), "--replay-port", str(replay), "--http-port", str(port),
-                     "--page-size", str(PAGE_SIZE), "--device-pages", str(args.device_pages), "--tokenizer", tokenizer,
-                     "--model", MODEL, "--dma-delay-ms", "0", "--pace", *quiet], work, f"sim-worker-{i}")
-                processes.append(sim)
-                sims.append(sim)
-                url = f"http://127.0.0.1:{port}/w/0"
-                processes.append(KvtierSubprocess(
-                    ["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq}", "--replay-endpoint",
-                     f"tcp://127.0.0.1:{replay}", "--worker-id", f"w{i}", "--model", MODEL, "--page-size",
-                     str(PAGE_SIZE), "--nats", nats.url, "--worker-url", url, "--heartbeat", "0.5",
-                     "--lease-ttl", "3", "--engine-health-timeout", "1", *quiet], work, f"bridge-{i}"))
-                workers.append(url)
+            workers, sims, bridges = start_sim_workers(
+                args.workers, work, nats.url, MODEL, PAGE_SIZE, tokenizer,
+                sim_flags=["--device-pages", str(args.device_pages), "--pace"],
+                bridge_flags=["--heartbeat", "0.5", "--lease-ttl", "3", "--engine-health-timeout", "1"])
+            processes += [*sims, *bridges]
             wait_announced(client, MODEL, args.workers, processes, timeout=60)
             routers, router_procs = [], []
             for i in range(2):

@@ -85,3 +85,42 @@ def wait_announced(client, model: str, workers: int, procs: Iterable[KvtierSubpr
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not announce within {timeout:.0f}s")
         time.sleep(0.1)
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """A process's resident memory in MB (None: no such process)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 2)
+    except OSError:
+        return None
+    return None
+
+
+def start_sim_workers(count: int, work: str, nats_url: str, model: str, page_size: int, tokenizer: str,
+                      sim_flags: Iterable[str] = (), bridge_flags: Iterable[str] = ()
+                      ) -> tuple[list[str], list[KvtierSubprocess], list[KvtierSubprocess]]:
+    """`count` sim-workers serving the OpenAI API with `tokenizer`, each with its bridge (worker
+    ids w0, w1, ...): (their URLs as a bridge's --worker-url, the sim-workers, the bridges)."""
+    from kvtier.harness.embedded import free_port
+    from kvtier.producers.sim_worker import free_port_block
+
+    quiet = ["--log-level", "WARNING"]
+    urls, sims, bridges = [], [], []
+    for i in range(count):
+        zmq, replay, port = free_port_block(1), free_port_block(1), free_port()
+        sims.append(KvtierSubprocess(
+            ["sim-worker", "--port", str(zmq), "--replay-port", str(replay), "--http-port", str(port),
+             "--page-size", str(page_size), "--tokenizer", tokenizer, "--model", model, "--dma-delay-ms", "0",
+             *sim_flags, *quiet], work, f"sim-worker-{i}"))
+        url = f"http://127.0.0.1:{port}/w/0"
+        bridges.append(KvtierSubprocess(
+            ["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
+             "--worker-id", f"w{i}", "--model", model, "--page-size", str(page_size), "--nats", nats_url,
+             "--worker-url", url, *bridge_flags, *quiet], work, f"bridge-{i}"))
+        urls.append(url)
+    return urls, sims, bridges

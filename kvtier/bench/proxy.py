@@ -196,9 +196,8 @@ async def _measure(workers: list[str], routers: list[str], vocabulary: list[str]
 def run_proxy_bench(args) -> int:
     import redis
 
-    from kvtier.bench.processes import KvtierSubprocess, wait_announced
+    from kvtier.bench.processes import KvtierSubprocess, start_sim_workers, wait_announced
     from kvtier.harness.embedded import NatsServer, RedisServer, free_port
-    from kvtier.producers.sim_worker import free_port_block
 
     work = tempfile.mkdtemp(prefix="kvtier-bench-proxy-")
     tokenizer = os.path.join(work, "tokenizer")
@@ -211,19 +210,9 @@ def run_proxy_bench(args) -> int:
         try:
             processes.append(KvtierSubprocess(["processor", "--nats", nats.url, "--redis", server.url, *quiet],
                                               work, "processor"))
-            workers = []
-            for i in range(args.workers):
-                zmq, replay, port = free_port_block(1), free_port_block(1), free_port()
-                processes.append(KvtierSubprocess(
-                    ["sim-worker", "--port", str(zmq), "--replay-port", str(replay), "--http-port", str(port),
-                     "--page-size", str(PAGE_SIZE), "--device-pages", "65536", "--tokenizer", tokenizer,
-                     "--model", MODEL, "--dma-delay-ms", "0", *quiet], work, f"sim-worker-{i}"))
-                url = f"http://127.0.0.1:{port}/w/0"
-                processes.append(KvtierSubprocess(
-                    ["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq}", "--replay-endpoint",
-                     f"tcp://127.0.0.1:{replay}", "--worker-id", f"w{i}", "--model", MODEL, "--page-size",
-                     str(PAGE_SIZE), "--nats", nats.url, "--worker-url", url, *quiet], work, f"bridge-{i}"))
-                workers.append(url)
+            workers, sims, bridges = start_sim_workers(args.workers, work, nats.url, MODEL, PAGE_SIZE, tokenizer,
+                                                       sim_flags=["--device-pages", "65536"])
+            processes += [*sims, *bridges]
             wait_announced(client, MODEL, args.workers, processes, timeout=60)
             routers = []
             for i in range(args.replicas):

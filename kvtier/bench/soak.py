@@ -51,7 +51,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from kvtier.bench import clients
-from kvtier.bench.processes import KvtierSubprocess, wait_http
+from kvtier.bench.processes import KvtierSubprocess, rss_mb, wait_http
 from kvtier.bench.trace import SAMPLE_TRACE, TraceRequest, load_trace
 from kvtier.schemas.jetstream import Jsz, StreamState, decode_jsz
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
@@ -174,19 +174,6 @@ def trace_prompt(request: TraceRequest, salt: int, max_tokens: int) -> list[int]
 
 
 # --- sampling --------------------------------------------------------------------------------
-def rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 2)
-    except OSError:
-        return None
-    return None
-
-
 def cpu_seconds(pid: int | None) -> float | None:
     """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
     if pid is None:
