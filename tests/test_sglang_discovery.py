@@ -187,7 +187,7 @@ class FakeSglang:
         if layout is not None:
             app.router.add_get("/get_hicache_l3_cache_layout", self._layout)
         # SGLang's liveness endpoint (no API key), which the bridge asks before renewing the lease
-        app.router.add_get("/health", lambda request: web.Response(text=""))
+        app.router.add_get("/health", self._health)
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
@@ -197,6 +197,9 @@ class FakeSglang:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-sglang", daemon=True)
         self._thread.start()
+
+    async def _health(self, request) -> web.Response:
+        return web.Response(text="")
 
     def _authorized(self, request) -> bool:
         self.requests.append(request.path)
