@@ -21,6 +21,9 @@ from .core import Busy
 
 T = TypeVar("T")
 
+#: What a draining router answers every new request (and every request still queued).
+SHUTTING_DOWN = "this router is shutting down: send the request to another replica"
+
 
 class Refusal(Exception):
     status = 503
@@ -65,7 +68,7 @@ class AdmissionQueue:
 
     async def admit(self, attempt: Callable[[], Awaitable[T]]) -> T:
         if self._closed:
-            raise Draining("this router is shutting down: send the request to another replica", 1)
+            raise Draining(SHUTTING_DOWN, 1)
         if not self._waiters:  # nobody waits before this one: try at once
             try:
                 return await attempt()
@@ -96,7 +99,7 @@ class AdmissionQueue:
                 except asyncio.TimeoutError:
                     pass
                 if self._closed:
-                    raise Draining("this router is shutting down: send the request to another replica", 1)
+                    raise Draining(SHUTTING_DOWN, 1)
         finally:
             self._waiters.remove(turn)
             self._on_wait(time.monotonic() - started)

@@ -16,20 +16,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kvtier.schemas.router_health import OpenCircuitHealth
+
 
 @dataclass
 class _Circuit:
     failures: int = 0
     backoff_s: float = 0.0
     open_until: float = 0.0
-
-
-@dataclass(frozen=True)
-class OpenCircuit:
-    model: str
-    worker_id: str
-    failures: int
-    reopens_in_s: float
 
 
 class CircuitBreaker:
@@ -62,8 +56,9 @@ class CircuitBreaker:
         now = self._clock()
         return frozenset(w for (m, w), c in self._circuits.items() if m == model and c.open_until > now)
 
-    def open_circuits(self) -> list[OpenCircuit]:
+    def open_circuits(self) -> list[OpenCircuitHealth]:
         now = self._clock()
-        return sorted((OpenCircuit(m, w, c.failures, round(c.open_until - now, 3))
+        return sorted((OpenCircuitHealth(model=m, worker_id=w, failures=c.failures,
+                                         reopens_in_s=round(c.open_until - now, 3))
                        for (m, w), c in self._circuits.items() if c.open_until > now),
                       key=lambda c: (c.model, c.worker_id))

@@ -31,6 +31,7 @@ import redis.exceptions
 
 from kvtier.schemas.health import HashCheck
 from kvtier.schemas.routing import (
+    AdmissionSettings,
     CandidateScore,
     ReleaseResponse,
     ReleaseStage,
@@ -123,11 +124,10 @@ class RouterSettings:
     #: `breaker_backoff_s` (doubling while it keeps failing): router/breaker.py
     breaker_failures: int = 3
     breaker_backoff_s: float = 5.0
-    #: A worker whose booked prefill (tokens) or decode (pages) is at or over these takes no new
-    #: request (0: no threshold); when every candidate is, the decision raises Busy.
-    #: Changed at run time through the service's /v1/admission.
-    busy_prefill_tokens: int = 0
-    busy_decode_pages: int = 0
+    #: Busy thresholds (a worker whose booked prefill tokens or decode pages are at or over
+    #: them takes no new request; when every candidate is, the decision raises Busy) and the
+    #: service's queue. Replaced at run time through the service's /v1/admission.
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     #: How long a session id keeps its worker (seconds since its last request).
     session_ttl_s: float = 600.0
     #: How long the index's XREAD waits for new feed entries (ms); below the client's socket
@@ -279,7 +279,7 @@ class Router:
 
     def _admitted(self, model: str, views: list[WorkerView]) -> list[WorkerView]:
         """The views of workers under both busy thresholds; Busy when none is."""
-        prefill, decode = self.settings.busy_prefill_tokens, self.settings.busy_decode_pages
+        prefill, decode = self.settings.admission.busy_prefill_tokens, self.settings.admission.busy_decode_pages
         if not prefill and not decode:
             return views
         under = [v for v in views if not (prefill and v.prefill_load * max(v.page_size, 1) >= prefill)

@@ -50,7 +50,6 @@ from kvtier.schemas.router_health import (
     DecisionLogHealth,
     HashSchemeHealth,
     MismatchedWorker,
-    OpenCircuitHealth,
     PartialWorker,
     QueueHealth,
     RouterHealth,
@@ -73,7 +72,7 @@ from kvtier.schemas.state_keys import ModelKeys, page_member
 from kvtier.schemas.subjects import name_of_token
 from kvtier.schemas.tiers import Tier
 
-from .admission import AdmissionQueue, Refusal
+from .admission import SHUTTING_DOWN, AdmissionQueue, Refusal
 from .core import (
     DEGRADED_ONLY_STALE,
     DEGRADED_REBUILDING,
@@ -119,8 +118,6 @@ class ServiceSettings:
     #: a request whose worker fails before the first byte of its answer is routed again among
     #: the other candidates, at most this many times
     migration_limit: int = 2
-    #: busy thresholds and the queue (router/admission.py); changed at run time by PUT /v1/admission
-    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     #: on SIGTERM, how long in-flight requests may take to finish before they are cut
     drain_timeout_s: float = 30.0
     #: how long each phase of a client connection may take, and how many there may be
@@ -227,7 +224,7 @@ class RouterService:
         self._page_checks: set[asyncio.Task] = set()
         self._hash_checks_read = -1e9
         self.queue = AdmissionQueue(on_depth=self.metrics.queue_depth.set, on_wait=self.metrics.queue_wait.observe)
-        self._apply_admission(settings.admission)
+        self._apply_admission(router.settings.admission)
         self.draining = False
         self.in_flight = 0
 
@@ -311,7 +308,7 @@ class RouterService:
         counted = request.path not in _ALWAYS_SERVED
         if counted and self.draining:
             self.metrics.admission_refusals.labels("draining").inc()
-            response = _error(503, "this router is shutting down: send the request to another replica", None, openai)
+            response = _error(503, SHUTTING_DOWN, None, openai)
             response.headers["Retry-After"] = "1"
             response.force_close()  # Connection: close, so no client keeps sending on it
             return response
@@ -338,9 +335,9 @@ class RouterService:
 
     # --- admission and drain --------------------------------------------------------------
     def _apply_admission(self, admission: AdmissionSettings) -> None:
-        self.settings.admission = admission
-        self.router.settings.busy_prefill_tokens = admission.busy_prefill_tokens
-        self.router.settings.busy_decode_pages = admission.busy_decode_pages
+        """The thresholds live in the router's settings (its decisions read them); the queue takes
+        its bounds."""
+        self.router.settings.admission = admission
         self.queue.size, self.queue.timeout_s = admission.queue_size, admission.queue_timeout_s
 
     async def admission(self, request: web.Request) -> web.Response:
@@ -350,9 +347,9 @@ class RouterService:
             if not self.settings.auth_token:
                 raise Refused(403, "changing admission needs a router started with --auth-token")
             change = _decode(await request.read(), AdmissionChange)
-            self._apply_admission(change.applied_to(self.settings.admission))
-            log.warning("admission changed: %s", self.settings.admission)
-        return web.Response(body=_json.encode(self.settings.admission), content_type="application/json")
+            self._apply_admission(change.applied_to(self.router.settings.admission))
+            log.warning("admission changed: %s", self.router.settings.admission)
+        return web.Response(body=_json.encode(self.router.settings.admission), content_type="application/json")
 
     async def _decide(self, route: RouteRequest, exclude: frozenset[str] = frozenset()) -> Outcome:
         """A decision, waiting in the queue while every candidate is busy; past the queue's
@@ -474,8 +471,7 @@ class RouterService:
             state_source="mirror" if router.mirror is not None else "redis",
             indexes=router.mirror.health() if router.mirror is not None else [],
             tokenizers=tokenizers,
-            open_circuits=[OpenCircuitHealth(model=c.model, worker_id=c.worker_id, failures=c.failures,
-                                             reopens_in_s=c.reopens_in_s) for c in router.breaker.open_circuits()],
+            open_circuits=router.breaker.open_circuits(),
             queue=QueueHealth(depth=self.queue.depth, peak=self.queue.peak, size=self.queue.size,
                               timeout_s=self.queue.timeout_s),
         )
@@ -913,6 +909,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_backoff_s: float = 5.0
     session_ttl_s: float = 600.0
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     router_id: str = ""
     weights: ScoringWeights | None = None
     seed: int | None = None  # seeds the tie-breaking draws: the same calls give the same decisions
@@ -954,6 +951,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
                                            breaker_failures=config.breaker_failures,
                                            breaker_backoff_s=config.breaker_backoff_s,
                                            session_ttl_s=config.session_ttl_s,
+                                           admission=config.admission,
                                            selection=config.router_mode if config.router_mode in SELECTIONS
                                            else "score"),
                     metrics, shared_pool=shared_pool, decision_log=decision_log,

@@ -187,6 +187,9 @@ async def _run_router(args, stop) -> None:
         redis_max_connections=args.redis_max_connections, redis_pool_wait_s=args.redis_pool_wait_ms / 1000,
         breaker_failures=args.breaker_failures,
         breaker_backoff_s=args.breaker_backoff_s, session_ttl_s=args.session_ttl_s,
+        admission=AdmissionSettings(busy_prefill_tokens=args.busy_prefill_tokens,
+                                    busy_decode_pages=args.busy_decode_pages, queue_size=args.queue_size,
+                                    queue_timeout_s=args.queue_timeout_s),
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
                                 tokenizers=dict(args.tokenizer),
@@ -200,11 +203,7 @@ async def _run_router(args, stop) -> None:
                                 http_limits=HttpLimits(header_timeout_s=args.header_timeout_s,
                                                        body_timeout_s=args.body_timeout_s,
                                                        keepalive_timeout_s=args.keepalive_timeout_s,
-                                                       max_connections=args.max_connections),
-                                admission=AdmissionSettings(busy_prefill_tokens=args.busy_prefill_tokens,
-                                                            busy_decode_pages=args.busy_decode_pages,
-                                                            queue_size=args.queue_size,
-                                                            queue_timeout_s=args.queue_timeout_s)),
+                                                       max_connections=args.max_connections)),
     )
     await run_router(config, stop, ready=lambda port: print(f"kvtier router listening on http://{args.host}:{port}",
                                                             flush=True))

@@ -608,7 +608,7 @@ def check_router_front_door(routers: list[RouterView]) -> list[Finding]:
     requests waiting in its queue for a worker under the busy thresholds."""
     out = []
     for r in routers:
-        if not r.reachable or r.error or r.http_status not in (200, 503):
+        if not r.reachable or r.error:
             continue
         h = r.healthz
         for c in h.open_circuits:
