@@ -129,6 +129,9 @@ def test_a_request_that_waits_too_long_gets_503_with_retry_after(redis_client, r
         assert answer["error"]["code"] == 503 and "--queue-timeout" in answer["error"]["message"]
         assert 0.4 < time.monotonic() - started < 5
         assert 'router_admission_refusals_total{reason="queue_timeout"} 1.0' in router.metrics()
+        # without --auth-token the thresholds cannot be changed at run time
+        status, answer, _ = http("PUT", router.url + "/v1/admission", {"busy_decode_pages": 0})
+        assert status == 403 and "--auth-token" in answer["error"], answer
         held.response.close()
     finally:
         stop_all(router)
@@ -212,5 +215,8 @@ def test_a_session_stays_on_its_worker_across_replicas_while_it_is_live(redis_cl
         moved = route(routers[0], "conv-1")
         assert moved["worker_id"] == other and moved["affinity"] == "", moved
         assert route(routers[1], "conv-1")["affinity"] == "kept"  # and stays there
+        status, answer, _ = http("POST", routers[0].url + "/v1/route", {"model": MODEL, "token_ids": tokens,
+                                                                         "session_id": "not a session id!"})
+        assert status == 400 and "$.session_id" in answer["error"], answer
     finally:
         stop_all(*routers)

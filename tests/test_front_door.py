@@ -323,6 +323,10 @@ def test_tracing_headers_and_the_engine_key_reach_the_worker_the_client_token_do
         seen = {k.lower(): v for k, v in http("GET", engine.url + "/headers")[1][-1].items()}
         assert seen["traceparent"] == trace and seen["x-request-id"] == "req-42", seen
         assert seen["authorization"] == "Bearer engine-key" and "x-secret" not in seen, seen
+        # a session id the router cannot keep is refused, with what is wrong
+        status, body, _ = _raw_post(router.port, "/generate", {"input_ids": tokens}, headers=(
+            b"Authorization: Bearer router-token\r\nX-Session-Id: not a session id!\r\n"))
+        assert status == 400 and b"X-Session-Id" in body, body
     finally:
         stop_all(router)
         engine.stop()
