@@ -4,6 +4,7 @@ give the load back; bookings of a router that died expire after their TTL."""
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,28 @@ class Released:
     worker_id: str
     prefill_pages: int
     decode_pages: int
+    load_version: int = 0  # the model's load version after the release (0: nothing found)
+
+
+class Checked(enum.IntEnum):
+    """What book_checked.lua answered."""
+
+    BOOKED = 1  # booked (a dry run: the copy is current)
+    ALREADY_BOOKED = -1
+    STATE_MOVED = -2  # the roster or the change counter is not the copy's: read it again
+    LOADS_MOVED = -3  # here are the loads Redis holds: choose again
+    SESSION_ELSEWHERE = -4  # the session keeps another worker
+    FEED_AHEAD = -5  # the change feed is past the index the overlaps came from
+
+
+@dataclass(frozen=True)
+class CheckedBooking:
+    outcome: Checked
+    load_version: int = 0  # BOOKED, LOADS_MOVED
+    worker_id: str = ""  # ALREADY_BOOKED, SESSION_ELSEWHERE
+    change: int = 0  # STATE_MOVED, FEED_AHEAD: the change counter
+    prefill: object = None  # LOADS_MOVED: the hashes as HGETALL gives them
+    decode: object = None
 
 
 def _now_ms() -> int:
@@ -46,6 +69,7 @@ class LoadBook:
     def __init__(self, client, booking_ttl_s: float = 600.0):
         """`client`: a redis.asyncio client."""
         self._select = client.register_script(_COMMON + load_lua("kvtier.router", "select_and_book.lua"))
+        self._checked = client.register_script(_COMMON + load_lua("kvtier.router", "book_checked.lua"))
         self._release = client.register_script(_COMMON + load_lua("kvtier.router", "release.lua"))
         self._reconcile = client.register_script(_COMMON + load_lua("kvtier.router", "reconcile_loads.lua"))
         self.ttl_ms = int(booking_ttl_s * 1000)
@@ -74,11 +98,35 @@ class LoadBook:
         n = len(candidates)
         return Selection(int(raw[0]) - 1, [int(x) for x in raw[1:1 + n]], [int(x) for x in raw[1 + n:1 + 2 * n]])
 
+    async def book_checked(self, keys: ModelKeys, request_id: str, worker_id: str, prefill_pages: int,
+                           decode_pages: int, *, load_version: int | None, change: int | None, lease_count: int,
+                           stale_count: int, marker_id: str, book: bool = True, session_id: str | None = None,
+                           session_ttl_ms: int = 0, leave_session: bool = False) -> CheckedBooking:
+        """Book `worker_id`, chosen on a copy of the model's state, only if the copy is what
+        Redis holds (book_checked.lua says what each argument is checked against). `change`:
+        the change number the overlaps were read at (None: not checked)."""
+        session_key = keys.session(session_id) if session_id else keys.base
+        raw = await self._checked(
+            keys=[keys.prefill_load, keys.decode_load, keys.bookings, keys.leases, keys.stale_workers,
+                  keys.incarnation, keys.changes_counter, keys.load_version, session_key],
+            args=[keys.base, _now_ms(), self.ttl_ms, request_id, worker_id, prefill_pages, decode_pages,
+                  -1 if load_version is None else load_version, "" if change is None else change, lease_count,
+                  stale_count, marker_id,
+                  1 if book else 0, session_ttl_ms if session_id else 0, 1 if leave_session else 0])
+        outcome = Checked(int(raw[0]))
+        if outcome is Checked.BOOKED:
+            return CheckedBooking(outcome, load_version=int(raw[1]))
+        if outcome is Checked.LOADS_MOVED:
+            return CheckedBooking(outcome, load_version=int(raw[1]), prefill=raw[2], decode=raw[3])
+        if outcome in (Checked.STATE_MOVED, Checked.FEED_AHEAD):
+            return CheckedBooking(outcome, change=int(raw[1]))
+        return CheckedBooking(outcome, worker_id=as_text(raw[1] or b""))
+
     async def release(self, model: str, request_id: str, stage: ReleaseStage) -> Released:
         keys = ModelKeys.for_model(model)
         raw = await self._release(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
                                   args=[keys.base, request_id, stage.value, _now_ms(), 32])
-        return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]))
+        return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0))
 
     async def reconcile(self, model: str) -> bool:
         """Recompute the model's booked loads from its live bookings; True if they had drifted

@@ -46,11 +46,12 @@ from kvtier.schemas.subjects import name_of_token, subject_token
 from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
 
 from . import scoring
-from .booking import AlreadyBooked, LoadBook
+from .booking import AlreadyBooked, Checked, LoadBook
 from .breaker import CircuitBreaker
 from .hashing import RequestPages
 from .metrics import RouterMetrics
-from .mirror import MirroredOverlapReader, TierMirror
+from .mirror import CATCH_UP_WAIT_S, MirroredOverlapReader, TierMirror
+from .roster import Rosters
 from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
 from .state import (
     ModelDirectory,
@@ -63,6 +64,7 @@ from .state import (
     read_hash_mismatches,
     read_partial_workers,
 )
+from .tier_index import NO_OVERLAP
 
 log = logging.getLogger("kvtier.router")
 
@@ -76,6 +78,13 @@ SELECTIONS = ("round-robin", "random")
 RECONCILE_INTERVAL_S = 10.0
 #: How often housekeeping re-reads the processors' hash checks (seconds).
 HASH_CHECK_REFRESH_S = 5.0
+#: Tries of the lean decision (each a booking its copy of the state turned out stale for)
+#: before the decision takes the full read instead.
+LEAN_ATTEMPTS = 4
+#: Why a decision read the full state instead of the replica's copies (router_full_reads).
+FULL_READ_REASONS = ("index_not_ready", "index_behind", "rebuilding", "no_fresh_worker", "state_kept_moving")
+#: Sessions whose worker a replica remembers (the oldest forgotten first; Redis keeps them all).
+SESSIONS_REMEMBERED = 65_536
 
 
 class RoutingError(Exception):
@@ -200,6 +209,12 @@ class Router:
             self.mirror = TierMirror(redis_client, metrics, block_ms=settings.index_block_ms)
             self.reader = MirroredOverlapReader(redis_client, self.mirror, walk)
         self.book = LoadBook(redis_client, settings.booking_ttl_s)
+        #: The lean decision's copies of each model's roster and loads (router/roster.py): with
+        #: an index and the formula's selection; None otherwise (every decision reads Redis).
+        self.rosters = Rosters(redis_client) if self.mirror is not None and settings.selection == "score" else None
+        #: session id -> the worker this replica last booked it on, so a conversation's next
+        #: request proposes its worker at once (book_checked.lua says when another replica moved it)
+        self._sessions: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_backoff_s)
         self.shared_pool = shared_pool
         self.decision_log = decision_log
@@ -246,6 +261,11 @@ class Router:
         if not self._state_available():
             return self._route_without_state(request, request_id, weights, u, started, exclude=exclude)
         try:
+            if self.rosters is not None:
+                outcome = await self._route_lean(request, request_id, weights, u, started, exclude)
+                if isinstance(outcome, Outcome):
+                    return outcome
+                self.metrics.full_reads_by_reason(outcome).inc()
             return await self._route_with_state(request, request_id, weights, u, started, exclude)
         except RoutingError:
             raise
@@ -292,6 +312,176 @@ class Router:
     async def _session_worker(self, model: str, session_id: str) -> str | None:
         raw = await self.redis.get(ModelKeys.for_model(model).session(session_id))
         return raw.decode() if isinstance(raw, bytes) else raw
+
+    # --- the lean decision --------------------------------------------------------------
+    async def _route_lean(self, request: RouteRequest, request_id: str, weights: ScoringWeights, u: float,
+                          started: float, exclude: frozenset[str]) -> Outcome | str:
+        """The decision on this replica's copies: overlaps from the index, roster and loads from
+        router/roster.py, chosen by router/scoring.py and booked with book_checked.lua, which
+        books only while the copies are what Redis holds (one round trip when they are). When
+        the decision needs the full read instead, why (FULL_READ_REASONS): the index is not
+        ready or behind, the store's state is being rebuilt, no worker is live and fresh (the
+        full read says what to do), or the copies kept moving."""
+        assert self.rosters is not None and self.mirror is not None
+        model = request.model
+        directory = await self._directory(model)
+        keys = ModelKeys.for_model(model)
+        index = self.mirror.model(keys.model_token)
+        held = self.rosters.model(model)
+        # Set once a try found the feed past the index and the decision waited for it: changes
+        # after that came after the decision began, as a read's would have.
+        feed_checked = True
+        pages_by_size: dict[int, RequestPages] = {}
+        for _ in range(LEAN_ATTEMPTS):
+            if not index.ready:
+                return "index_not_ready"
+            now_ms = int(time.time() * 1000)
+            roster = held.current(now_ms) or await held.read(now_ms)
+            if not roster.ready or roster.rebuilding or roster.marker_id != index.marker_id:
+                return "rebuilding"
+            if index.change < roster.change and not await index.reached(roster.change, CATCH_UP_WAIT_S):
+                return "index_behind"
+            ids = roster.candidates
+            if not ids or 0 in roster.by_size:
+                return "no_fresh_worker"
+            if any(w not in directory.workers for w in ids):
+                directory = await self._directory(model, refresh=True)  # a worker joined since the last read
+            live = roster.live
+            overlaps: dict[str, TierOverlap] = {}
+            change = index.change
+            for size, workers in roster.by_size.items():
+                if size not in pages_by_size:
+                    pages_by_size[size] = RequestPages.of(request.token_ids, size)
+                overlaps.update(index.index.overlaps(pages_by_size[size].hashes, workers))
+            degraded: list[str] = []
+            shared = None
+            if self.settings.shared_cache and self.shared_pool is not None:
+                try:
+                    shared = await self._query_shared_pool(directory, pages_by_size)
+                except SharedPoolUnavailable:
+                    degraded.append(DEGRADED_SHARED_POOL)
+                if shared:
+                    overlaps = {w: self._with_shared(w, live[w][0], o, directory, shared) for w, o in overlaps.items()}
+            ids = self._reachable(model, ids, exclude)
+            primary_size = (next(iter(roster.by_size)) if len(roster.by_size) == 1
+                            else _most_common_page_size(live[w][0] for w in ids))
+            n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
+            decode_pages = -(-(len(request.token_ids) + request.max_new_tokens) // primary_size)
+            credits = [0.0 if overlaps[w] is NO_OVERLAP else scoring.cache_credit(overlaps[w], weights)
+                       for w in ids]
+            async with held.lock:
+                booked = await self._book_lean(request, request_id, keys, held, ids, overlaps, credits, n_pages,
+                                               decode_pages, weights, u, change if feed_checked else None)
+            if booked is None:  # the roster moved: read it again
+                held.forget()
+                continue
+            if isinstance(booked, int):  # the feed is past the index: once the index has it, decide again
+                feed_checked = False
+                if not await index.reached(booked, CATCH_UP_WAIT_S):
+                    return "index_behind"
+                continue
+            chosen, logits, affinity, loads, pool = booked
+            break
+        else:
+            return "state_kept_moving"
+        self._state_ok()
+        winner_id = ids[chosen]
+        overlap = overlaps[winner_id]
+        candidates: list[CandidateScore] = []
+        if request.explain or self.decision_log is not None:
+            candidates = [CandidateScore(worker_id=ids[i], logit=logits[i], overlap=overlaps[ids[i]],
+                                         prefill_load=loads[0][i], decode_load=loads[1][i], page_size=live[ids[i]][0])
+                          for i in pool]
+        meta = directory.workers.get(winner_id)
+        response = RouteResponse(
+            request_id=request_id, worker_id=winner_id, logit=logits[chosen], overlap=overlap,
+            candidates=candidates if request.explain else [], request_pages=n_pages, page_size=primary_size,
+            degraded=degraded, booked=request.book, worker_url=meta.http_endpoint if meta else "", affinity=affinity)
+        latency = time.perf_counter() - started
+        self._observe(response, shared, n_pages, latency, "kv")
+        decision = None
+        if self.decision_log is not None:
+            decision = RouteDecision(
+                request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights,
+                random_draw=u, page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()},
+                request_pages=n_pages, chosen=winner_id, candidates=candidates, degraded=degraded,
+                latency_ms=latency * 1000, shared_pool_queried=shared is not None)
+            self.decision_log.submit(decision)
+        return Outcome(response, decision, pages_by_size.get(live[winner_id][0]))
+
+    async def _book_lean(self, request: RouteRequest, request_id: str, keys: ModelKeys, held, ids: list[str],
+                         overlaps: dict[str, TierOverlap], credits: list[float], n_pages: int, decode_pages: int,
+                         weights: ScoringWeights, u: float, change: int | None):
+        """Choose on the copy's loads and book (under the model's lock: this replica's load
+        writes one at a time). When booked: (chosen index, logits, affinity, (prefill loads,
+        decode loads), the indexes of the workers under the busy thresholds). None when the
+        roster moved; the change counter when the feed is past `change`, the index's when it
+        gave the overlaps (the index must apply it first)."""
+        session = (request.model, request.session_id) if request.session_id else None
+        kept = self._sessions.get(session) if session else None
+        for _ in range(LEAN_ATTEMPTS):
+            roster = held.roster
+            if roster is None:
+                return None
+            prefill = [roster.prefill.get(w, 0) for w in ids]
+            decode = [roster.decode.get(w, 0) for w in ids]
+            pool = self._admitted_columns(request.model, ids, prefill, decode, roster)
+            values = scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale)
+            formula = pool[scoring.choose([values[i] for i in pool], weights.temperature, u)]
+            chosen, affinity = formula, ""
+            if kept is not None and kept in ids and ids.index(kept) in pool:
+                chosen = ids.index(kept)
+                affinity = "kept" if chosen == formula else "overrode"
+            worker = ids[chosen]
+            overlap = overlaps[worker]
+            prefill_pages = max(n_pages - overlap.device - overlap.predicted, 0)
+            answer = await self.book.book_checked(
+                keys, request_id, worker, prefill_pages, decode_pages, load_version=roster.load_version,
+                change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
+                marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
+                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)),
+                leave_session=kept is not None and affinity == "")
+            if answer.outcome is Checked.BOOKED:
+                if request.book:
+                    roster.add(worker, prefill_pages, decode_pages, answer.load_version)
+                    if session:
+                        self._remember_session(session, worker)
+                return chosen, values, affinity, (prefill, decode), pool
+            if answer.outcome is Checked.ALREADY_BOOKED:
+                raise DuplicateRequest(str(AlreadyBooked(request_id, answer.worker_id)))
+            if answer.outcome is Checked.LOADS_MOVED:
+                roster.set_loads(answer.load_version, answer.prefill, answer.decode)
+            elif answer.outcome is Checked.SESSION_ELSEWHERE:
+                kept = answer.worker_id
+                if session:
+                    self._remember_session(session, kept)
+            elif answer.outcome is Checked.FEED_AHEAD:
+                return answer.change
+            else:
+                return None
+        return None
+
+    def _remember_session(self, session: tuple[str, str], worker: str) -> None:
+        self._sessions[session] = worker
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > SESSIONS_REMEMBERED:
+            self._sessions.popitem(last=False)
+
+    def _admitted_columns(self, model: str, ids: list[str], prefill: list[int], decode: list[int],
+                          roster) -> list[int]:
+        """`_admitted` on the lean decision's columns: the indexes of the workers under both
+        busy thresholds; Busy when none is."""
+        admission = self.settings.admission
+        busy_prefill, busy_decode = admission.busy_prefill_tokens, admission.busy_decode_pages
+        if not busy_prefill and not busy_decode:
+            return list(range(len(ids)))
+        under = [i for i, w in enumerate(ids)
+                 if not (busy_prefill and prefill[i] * max(roster.live[w][0], 1) >= busy_prefill)
+                 and not (busy_decode and decode[i] >= busy_decode)]
+        if not under:
+            raise Busy(f"every worker of model {model!r} is at its busy threshold (booked prefill >= "
+                       f"{busy_prefill} tokens or decode >= {busy_decode} pages)")
+        return under
 
     async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
                                 u: float, started: float, exclude: frozenset[str] = frozenset()) -> Outcome:
@@ -354,7 +544,8 @@ class Router:
         fresh = self._admitted(model, self._reachable(model, fresh, exclude, lambda v: v.worker_id))
         fresh.sort(key=lambda v: v.worker_id)
 
-        inputs = [scoring.CandidateInputs(v.worker_id, self._with_shared(v, directory, shared, model),
+        inputs = [scoring.CandidateInputs(v.worker_id, self._with_shared(v.worker_id, v.page_size, v.overlap,
+                                                                         directory, shared),
                                           v.prefill_load, v.decode_load) for v in fresh]
         primary_size = _most_common_page_size(v.page_size for v in fresh)
         n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
@@ -447,28 +638,30 @@ class Router:
                         "credit for it (they must match)", meta.model, meta.worker_id, meta.page_size, expected)
         return False
 
-    def _with_shared(self, view: WorkerView, directory: ModelDirectory, shared, model: str) -> TierOverlap:
+    def _with_shared(self, worker_id: str, page_size: int, o: TierOverlap, directory: ModelDirectory,
+                     shared) -> TierOverlap:
         if not shared:
-            return view.overlap
-        meta = directory.workers.get(view.worker_id)
+            return o
+        meta = directory.workers.get(worker_id)
         if meta is None or meta.mooncake is None:
-            return view.overlap
-        pages: SharedPages | None = shared.get(view.page_size, {}).get(meta.mooncake)
+            return o
+        pages: SharedPages | None = shared.get(page_size, {}).get(meta.mooncake)
         if pages is None:
-            return view.overlap
-        o = view.overlap
+            return o
         return TierOverlap(device=o.device, host=o.host, disk=o.disk, predicted=o.predicted,
                            shared_beyond=pages.beyond(o.device + o.predicted))
 
     def _observe(self, response: RouteResponse, shared, n_pages: int, latency: float, mode: str) -> None:
         m = self.metrics
-        m.decisions.labels(mode).inc()
+        m.decisions_by_mode(mode).inc()
         m.decision_latency.observe(latency)
         m.request_pages.observe(n_pages)
         o = response.overlap
-        for tier, value in (("device", o.device), ("host", o.host), ("disk", o.disk),
-                            ("shared_beyond", o.shared_beyond)):
-            m.chosen_overlap.labels(tier).observe(value)
+        device, host, disk, beyond = m.chosen_overlap_by_tier
+        device.observe(o.device)
+        host.observe(o.host)
+        disk.observe(o.disk)
+        beyond.observe(o.shared_beyond)
         if shared:
             hits = max((p.hits for layouts in shared.values() for p in layouts.values()), default=0)
             if n_pages:
@@ -514,7 +707,17 @@ class Router:
             self.metrics.fallback_in_flight.set(len(self._fallback.in_flight))
             self.metrics.releases.labels(stage.value, "fallback").inc()
             return ReleaseResponse(request_id=request_id, released=True)
-        released = await self.book.release(model, request_id, stage)
+        held = self.rosters.models.get(model) if self.rosters is not None else None
+        if held is None:
+            released = await self.book.release(model, request_id, stage)
+        else:
+            # Under the lock this replica's bookings take, so its own writes never make its
+            # copy of the loads stale; the answer's version keeps the copy exact.
+            async with held.lock:
+                released = await self.book.release(model, request_id, stage)
+                if released.found and held.roster is not None:
+                    held.roster.add(released.worker_id, -released.prefill_pages, -released.decode_pages,
+                                    released.load_version)
         self.metrics.releases.labels(stage.value, str(released.found).lower()).inc()
         return ReleaseResponse(request_id=request_id, released=released.found, worker_id=released.worker_id,
                                prefill_pages=released.prefill_pages, decode_pages=released.decode_pages)

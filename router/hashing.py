@@ -4,10 +4,13 @@ keys of a page are `schemas/mooncake.py`'s `mooncake_object_keys`.)"""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import cast
 
-from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, block_hashes_of_keys, sglang_page_digests
+from kvtier.schemas.hashes import BlockHash, PageDigest, PageKey, sglang_page_digests
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class RequestPages:
         blob = self.keys_blob
         return tuple(PageKey(blob[i:i + 16]) for i in range(0, len(blob), 16))
 
-    @property
+    @cached_property
     def hashes(self) -> tuple[BlockHash, ...]:
-        return block_hashes_of_keys(self.keys_blob)
+        """The BlockHash of each page (a digest's first 8 bytes, big-endian, signed), computed
+        once: the index reads them for every worker page size it walks."""
+        digests = self.digests
+        return cast("tuple[BlockHash, ...]", struct.unpack(f">{len(digests)}q", b"".join(d[:8] for d in digests)))

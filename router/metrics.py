@@ -33,6 +33,14 @@ class RouterMetrics:
                                         ["tier"], buckets=_PAGE_BUCKETS, registry=r)
         self.request_pages = Histogram("router_request_pages", "Full pages per routed request",
                                        buckets=_PAGE_BUCKETS, registry=r)
+        # Every decision observes these: the labelled children are looked up once.
+        self.chosen_overlap_by_tier = tuple(self.chosen_overlap.labels(tier)
+                                            for tier in ("device", "host", "disk", "shared_beyond"))
+        self._decisions_by_mode: dict[str, Counter] = {}
+        self.full_reads = Counter("router_full_reads",
+                                  "Decisions that read the model's state from Redis instead of this replica's copies "
+                                  "of it (a round trip more), by why: index_not_ready, index_behind, rebuilding, "
+                                  "no_fresh_worker, state_kept_moving", ["reason"], registry=r)
         self.fallbacks = Counter("router_fallback_decisions", "Decisions made without tier state, by reason",
                                  ["reason"], registry=r)
         self.shared_pool_errors = Counter("router_shared_pool_errors",
@@ -139,3 +147,12 @@ class RouterMetrics:
         self.draining = Gauge("router_draining", "1 while this replica drains (SIGTERM): new requests get 503",
                               registry=r)
         self.state_store_up.set(1)
+
+    def decisions_by_mode(self, mode: str):
+        child = self._decisions_by_mode.get(mode)
+        if child is None:
+            child = self._decisions_by_mode[mode] = self.decisions.labels(mode)
+        return child
+
+    def full_reads_by_reason(self, reason: str):
+        return self.full_reads.labels(reason)

@@ -38,4 +38,5 @@ for k, sums in ipairs({prefill, decode}) do
     end
   end
 end
+if corrected == 1 then loads_changed(base) end
 return {#live, corrected}

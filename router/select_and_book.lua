@@ -74,6 +74,7 @@ if book then
   local prefill_pages = math.max(request_pages - devices[chosen], 0)
   add_load(KEYS[1], worker, prefill_pages)
   add_load(KEYS[2], worker, decode_pages)
+  loads_changed(base)
   local bk = base .. ':bk:' .. request_id
   redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
   local blob = ARGV[15] or ''

@@ -30,6 +30,9 @@ TIER_OFFSET: dict[Tier, int] = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 _SLOT_BITS = 0b111
 #: Distinct masks kept for sharing; past it the table starts over (stored masks stay valid).
 _MAX_SHARED_MASKS = 1 << 16
+#: The overlap of a worker that holds none of the request's pages: one object for all of them
+#: (most candidates of a decision are cold), which the decision credits without computing.
+NO_OVERLAP = TierOverlap()
 
 
 class TierIndex:
@@ -151,8 +154,16 @@ class TierIndex:
         size), by the walk of docs/DESIGN.md: the device prefix, then on host while the page
         is on host, then on disk, each page counted once at the first tier where the walk
         finds it. Workers the index has no page of get a zero overlap."""
-        slots = {w: self._slot_of[w] for w in workers if w in self._slot_of}
-        result = {w: TierOverlap() for w in workers if w not in slots}
+        slot_of = self._slot_of
+        result = dict.fromkeys(workers, NO_OVERLAP)
+        if not pages:
+            return result
+        get = self._pages.get
+        # A worker without the first page on any tier leaves every stage at page 0: a zero
+        # overlap, settled here. Most candidates of a decision are such cold workers, and the
+        # walk then moves only the few that hold the prefix.
+        first = get(pages[0], 0)
+        slots = {w: slot_of[w] for w in result if w in slot_of and first >> (3 * slot_of[w]) & _SLOT_BITS}
         if not slots:
             return result
         n = len(pages)
@@ -164,9 +175,11 @@ class TierIndex:
             device_phase |= 1 << (3 * slot)
         host_phase = disk_phase = 0
         left: list[tuple[int, int, int]] = []  # (position, stage, bits of the workers that left)
-        get = self._pages.get
+        walking = device_phase  # every phase's bits together: a worker's bits are apart
         for position, page in enumerate(pages):
             bits = get(page, 0)
+            if not walking & ~bits:
+                continue  # every worker still walking has this page where its stage needs it
             if device_phase:
                 out = device_phase & ~bits
                 if out:
@@ -184,7 +197,8 @@ class TierIndex:
                 if out:
                     disk_phase ^= out
                     left.append((position, 2, out))
-            if not (device_phase or host_phase or disk_phase):
+            walking = device_phase | host_phase | disk_phase
+            if not walking:
                 break
         for position, stage, out in left:
             while out:
@@ -193,6 +207,6 @@ class TierIndex:
                 out ^= low
         for worker, slot in slots.items():
             device, host, disk = ends[slot]
-            result[worker] = TierOverlap(device=device, host=host - device, disk=disk - host)
+            result[worker] = TierOverlap(device=device, host=host - device, disk=disk - host) if disk else NO_OVERLAP
         return result
 

@@ -65,6 +65,9 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: A conversation's id: its requests stay on the worker that served it last while that
     #: worker is live and under its busy thresholds (kept in Redis for --session-ttl).
     session_id: SessionId | None = None
+    #: List every candidate with its logit, overlap and loads in the answer (`candidates`);
+    #: without it the answer names the winner only (the decision log always has them all).
+    explain: bool = False
 
 
 class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,9 +113,10 @@ class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
     logit: float
     overlap: TierOverlap
-    candidates: list[CandidateScore]
     request_pages: int
     page_size: int
+    #: Every candidate scored, when the request asked (`explain`); empty otherwise.
+    candidates: list[CandidateScore] = []
     #: Empty when every input was available; otherwise what the decision had to do without,
     #: e.g. "state-store-unavailable" (routed by load/round robin) or "shared-pool-unavailable".
     degraded: list[str] = []

@@ -41,6 +41,9 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
 Load booked by routers (written only by router/*.lua, atomically with each selection):
   kvt:{m}:load:prefill      hash  worker -> queued prefill pages
   kvt:{m}:load:decode       hash  worker -> active decode pages
+  kvt:{m}:load:version      str   bumped with every write to the two load hashes: a replica
+                                  that mirrors the loads at version v books only while it is
+                                  still v (router/book_checked.lua)
   kvt:{m}:bookings          zset  request id -> booking expiry (unix ms)
   kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back)
   kvt:{m}:rr                str   the model's round-robin turn (--router-mode round-robin)
@@ -164,6 +167,10 @@ class ModelKeys:
     @property
     def decode_load(self) -> str:
         return f"{self.base}:load:decode"
+
+    @property
+    def load_version(self) -> str:
+        return f"{self.base}:load:version"
 
     @property
     def bookings(self) -> str:

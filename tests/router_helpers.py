@@ -121,7 +121,9 @@ class RouterProcess(KvtierProcess):
         return answers(self.url + "/healthz")
 
     def route(self, model: str, token_ids: list[int], **extra) -> tuple[int, dict, dict]:
-        return http("POST", self.url + "/v1/route", {"model": model, "token_ids": token_ids, **extra})
+        """POST /v1/route, asking for every candidate (`explain`) unless `explain=False` is given:
+        most router tests read them."""
+        return http("POST", self.url + "/v1/route", {"model": model, "token_ids": token_ids, "explain": True, **extra})
 
     def release(self, model: str, request_id: str, stage: str = "complete") -> tuple[int, dict, dict]:
         return http("POST", self.url + "/v1/release", {"model": model, "request_id": request_id, "stage": stage})

@@ -195,7 +195,7 @@ def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, re
         wait_until(lambda: model_ready(redis_client, MODEL), timeout=20)
         router.wait_index_settled(redis_client, MODEL)
         status, answer, _ = http("POST", f"{router.url}/v1/route",
-                                 {"model": MODEL, "token_ids": tokens, "book": False})
+                                 {"model": MODEL, "token_ids": tokens, "book": False, "explain": True})
         assert status == 200, answer
         overlap = {c["worker_id"]: c["overlap"]["device"] for c in answer["candidates"]}
         assert overlap == {"good": 16, "bad": 0}, f"{answer}\n{router.output()[-3000:]}"

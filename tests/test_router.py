@@ -58,6 +58,11 @@ def test_walk_counts_device_prefix_then_host_then_disk(redis_client, redis_serve
         assert body["worker_id"] == "tiered" and body["logit"] == 5.25
         assert by_worker(body)["gappy"]["logit"] == 5.75 and by_worker(body)["cold"]["logit"] == 10.0
         assert body["request_pages"] == 10 and body["page_size"] == 4 and body["booked"] is False
+        # Without `explain` the answer names the winner only; the decision is the same.
+        status, lean, _ = router.route(MODEL, tokens, book=False, explain=False)
+        assert status == 200 and lean["candidates"] == [], lean
+        same = ("worker_id", "logit", "overlap")
+        assert [lean[k] for k in same] == [body[k] for k in same]
     finally:
         stop_all(router)
 

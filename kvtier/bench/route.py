@@ -51,6 +51,7 @@ import redis
 from kvtier.bench import clients
 from kvtier.consumers.apply import TierStateWriter
 from kvtier.harness.embedded import RedisServer
+from kvtier.plumbing.connections import redis_async_client
 from kvtier.schemas.changes import TierChange
 from kvtier.schemas.events import BridgeCursor, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import block_hashes_of_keys, sglang_block_hashes, sglang_page_digests
@@ -213,12 +214,11 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
     `concurrency` concurrent loops. A router reading an index is measured only once its index
     is ready; decisions that still walked in Redis are counted. `keep`: receives the model's
     index (`"index"`) once measured."""
-    import redis.asyncio
 
     from kvtier.router.core import Router, RouterSettings
     from kvtier.router.metrics import RouterMetrics
 
-    client = redis.asyncio.Redis.from_url(redis_url)
+    client = redis_async_client(redis_url)
     routers = {source: Router(client, RouterSettings(shared_cache=shared_pool is not None, state_source=source),
                               RouterMetrics(), shared_pool=shared_pool, rng=random.Random(1))
                for source in sources}
@@ -383,12 +383,11 @@ def _seed_scale(client: redis.Redis, holdings: dict[str, dict[Tier, list[int]]],
 
 async def _bootstrap(redis_url: str, tokens: list[int]) -> dict[str, float]:
     """A router created on the big state: time to its first decision read from its index."""
-    import redis.asyncio
 
     from kvtier.router.core import Router, RouterSettings
     from kvtier.router.metrics import RouterMetrics
 
-    client = redis.asyncio.Redis.from_url(redis_url)
+    client = redis_async_client(redis_url)
     started = time.perf_counter()
     router = Router(client, RouterSettings(state_source="mirror"), RouterMetrics(), rng=random.Random(1))
     try:
@@ -459,7 +458,6 @@ def _lag_writer(redis_url: str, rate: float, seconds: float, workers: int, batch
 
 
 async def _index_lag(redis_url: str, args) -> dict[str, object]:
-    import redis.asyncio
 
     from kvtier.router.mirror import ModelMirror
 
@@ -468,7 +466,7 @@ async def _index_lag(redis_url: str, args) -> dict[str, object]:
     proc = ctx.Process(target=_lag_writer, args=(redis_url, args.lag_rate, args.lag_seconds, args.workers,
                                                   args.request_pages, args.seed, ready, go, out), daemon=True)
     proc.start()
-    client = redis.asyncio.Redis.from_url(redis_url)
+    client = redis_async_client(redis_url)
     lags_ms: list[float] = []
 
     def applied(change: TierChange) -> None:
@@ -515,12 +513,11 @@ def _replica(redis_url: str, conversations: list[list[int]], requests: list[int]
     import uvloop
 
     async def main():
-        import redis.asyncio
 
         from kvtier.router.core import Router, RouterSettings
         from kvtier.router.metrics import RouterMetrics
 
-        client = redis.asyncio.Redis.from_url(redis_url)
+        client = redis_async_client(redis_url)
         router = Router(client, RouterSettings(state_source="mirror"), RouterMetrics(), rng=random.Random(name))
         try:
             await _wait_index_ready(router, conversations[0])

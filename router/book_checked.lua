@@ -1,0 +1,66 @@
+-- Book a worker a replica chose on its own copy of the model's state, only if that copy is
+-- still the state Redis holds: the compare-and-set that makes selection and booking one
+-- atomic step without handing the script every candidate (select_and_book.lua, which this
+-- replaces on the hot path, pays for every value crossing into the script). O(1) whatever
+-- the number of workers. The choice itself is router/scoring.py's, on the loads the replica
+-- mirrors at a load version: equal versions mean equal loads (bookings.lua bumps the version
+-- with every load write), so the choice is the one select_and_book.lua would have made.
+-- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 leases zset, 5 stale
+--       workers set, 6 incarnation marker hash, 7 change counter, 8 load version, 9 the
+--       session's key (the model's key base when the request has no session)
+-- Nothing expired is swept here (housekeeping sweeps): a booking costs a dozen commands.
+-- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 worker, 6 prefill
+--       pages to book, 7 decode pages to book, 8 the load version the choice was made at,
+--       9 the change number the replica's index had applied when it gave the overlaps ("": do
+--       not check; the decision already waited for the index to apply what a try found), 10
+--       the leases zset's size and
+--       11 the stale set's size when the replica read them, 12 the marker id it read,
+--       13 book (1|0), 14 session ttl (ms; 0: no session), 15 1 when the choice leaves the
+--       session's worker on purpose (it is not a candidate), else 0
+-- Returns one of
+--   {1, load version after booking}       booked (or, with book 0, the copy is current: {1, version})
+--   {-1, worker}                          the request id already holds a booking (on worker)
+--   {-2, change counter}                  the roster is not what Redis holds: read it again
+--   {-5, change counter}                  the feed is past the index: decide once it has applied it
+--   {-3, load version, {prefill hash}, {decode hash}}  the loads moved: here they are, choose again
+--   {-4, worker}                          the session keeps another worker: choose it
+local base, now, ttl, request_id, worker = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local book = ARGV[13] == '1'
+local bk = base .. ':bk:' .. request_id
+if book and redis.call('EXISTS', bk) == 1 then
+  return {-1, redis.call('HGET', bk, 'worker')}
+end
+
+local change = tonumber(redis.call('GET', KEYS[7]) or '0')
+if ARGV[9] ~= '' and change > tonumber(ARGV[9]) then return {-5, change} end
+if redis.call('ZCARD', KEYS[4]) ~= tonumber(ARGV[10]) or redis.call('SCARD', KEYS[5]) ~= tonumber(ARGV[11]) then
+  return {-2, change}
+end
+local marker = redis.call('HMGET', KEYS[6], 'ready', 'rebuilding', 'id')
+local expiry = tonumber(redis.call('ZSCORE', KEYS[4], worker) or '0')
+if marker[1] ~= '1' or marker[2] == '1' or (marker[3] or '') ~= ARGV[12] or expiry <= now then
+  return {-2, change}
+end
+
+local session_ttl = tonumber(ARGV[14])
+if session_ttl > 0 and ARGV[15] ~= '1' then
+  local kept = redis.call('GET', KEYS[9])
+  if kept and kept ~= worker then return {-4, kept} end
+end
+
+local version = redis.call('GET', KEYS[8]) or '0'
+if version ~= ARGV[8] then
+  return {-3, version, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+end
+if not book then return {1, tonumber(version)} end
+
+local prefill_pages, decode_pages = tonumber(ARGV[6]), tonumber(ARGV[7])
+add_load(KEYS[1], worker, prefill_pages)
+add_load(KEYS[2], worker, decode_pages)
+version = loads_changed(base)
+redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
+-- The hash outlives its zset entry a little, so a sweep can still read what to give back.
+redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
+redis.call('ZADD', KEYS[3], now + ttl, request_id)
+if session_ttl > 0 then redis.call('SET', KEYS[9], worker, 'PX', session_ttl) end
+return {1, version}
