@@ -18,7 +18,8 @@
 --       13 book (1|0), 14 session ttl (ms; 0: no session), 15 1 when the choice leaves the
 --       session's worker on purpose (it is not a candidate), else 0
 -- Returns one of
---   {1, load version after booking}       booked (or, with book 0, the copy is current: {1, version})
+--   {1, load version after booking, the session's worker as found ("" when none, or left)}
+--                                         booked (or, with book 0, the copy is current)
 --   {-1, worker}                          the request id already holds a booking (on worker)
 --   {-2, change counter}                  the roster is not what Redis holds: read it again
 --   {-5, change counter}                  the feed is past the index: decide once it has applied it
@@ -43,16 +44,17 @@ if marker[1] ~= '1' or marker[2] == '1' or (marker[3] or '') ~= ARGV[12] or expi
 end
 
 local session_ttl = tonumber(ARGV[14])
+local kept = ''
 if session_ttl > 0 and ARGV[15] ~= '1' then
-  local kept = redis.call('GET', KEYS[9])
-  if kept and kept ~= worker then return {-4, kept} end
+  kept = redis.call('GET', KEYS[9]) or ''
+  if kept ~= '' and kept ~= worker then return {-4, kept} end
 end
 
 local version = redis.call('GET', KEYS[8]) or '0'
 if version ~= ARGV[8] then
   return {-3, version, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
 end
-if not book then return {1, tonumber(version)} end
+if not book then return {1, tonumber(version), kept} end
 
 local prefill_pages, decode_pages = tonumber(ARGV[6]), tonumber(ARGV[7])
 add_load(KEYS[1], worker, prefill_pages)
@@ -63,4 +65,4 @@ redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', dec
 redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
 redis.call('ZADD', KEYS[3], now + ttl, request_id)
 if session_ttl > 0 then redis.call('SET', KEYS[9], worker, 'PX', session_ttl) end
-return {1, version}
+return {1, version, kept}

@@ -55,7 +55,7 @@ class Checked(enum.IntEnum):
 class CheckedBooking:
     outcome: Checked
     load_version: int = 0  # BOOKED, LOADS_MOVED
-    worker_id: str = ""  # ALREADY_BOOKED, SESSION_ELSEWHERE
+    worker_id: str = ""  # ALREADY_BOOKED, SESSION_ELSEWHERE; BOOKED: the session's worker as found
     change: int = 0  # STATE_MOVED, FEED_AHEAD: the change counter
     prefill: object = None  # LOADS_MOVED: the hashes as HGETALL gives them
     decode: object = None
@@ -115,7 +115,7 @@ class LoadBook:
                   1 if book else 0, session_ttl_ms if session_id else 0, 1 if leave_session else 0])
         outcome = Checked(int(raw[0]))
         if outcome is Checked.BOOKED:
-            return CheckedBooking(outcome, load_version=int(raw[1]))
+            return CheckedBooking(outcome, load_version=int(raw[1]), worker_id=as_text(raw[2] or b""))
         if outcome is Checked.LOADS_MOVED:
             return CheckedBooking(outcome, load_version=int(raw[1]), prefill=raw[2], decode=raw[3])
         if outcome in (Checked.STATE_MOVED, Checked.FEED_AHEAD):

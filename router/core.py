@@ -230,6 +230,7 @@ class Router:
         self.hash_mismatches: list[tuple[str, HashCheck]] = []
         self.partial_workers: dict[str, list[str]] = {}
         self._hash_checks_read_at = -1e9
+        self.decisions_made = 0
 
     # --- state-store health ------------------------------------------------------------
     def _state_available(self) -> bool:
@@ -255,6 +256,7 @@ class Router:
         not candidates, nor are workers whose circuit is open (router/breaker.py) unless no
         other is left."""
         started = time.perf_counter()
+        self.decisions_made += 1
         weights = request.overrides.applied_to(self.settings.weights) if request.overrides else self.settings.weights
         request_id = request.request_id or uuid.uuid4().hex
         u = self.rng.random()
@@ -418,20 +420,33 @@ class Router:
         roster moved; the change counter when the feed is past `change`, the index's when it
         gave the overlaps (the index must apply it first)."""
         session = (request.model, request.session_id) if request.session_id else None
+        # This replica's memory of the session's worker is a guess to propose; Redis's is the
+        # session, which the booking checks (and answers with when it names another worker).
         kept = self._sessions.get(session) if session else None
+        leave = False  # the session's worker (as Redis has it) is not a candidate: move the session
+        checked_busy = False
         for _ in range(LEAN_ATTEMPTS):
             roster = held.roster
             if roster is None:
                 return None
             prefill = [roster.prefill.get(w, 0) for w in ids]
             decode = [roster.decode.get(w, 0) for w in ids]
-            pool = self._admitted_columns(request.model, ids, prefill, decode, roster)
+            try:
+                pool = self._admitted_columns(request.model, ids, prefill, decode, roster)
+            except Busy:
+                # Every worker busy by the copy: a refusal (or a wait) rests on the loads Redis
+                # holds, read again once, never on a copy another replica's releases left behind.
+                if checked_busy:
+                    raise
+                checked_busy = True
+                if (await held.read(int(time.time() * 1000))).candidates != roster.candidates:
+                    return None  # who is live changed too: decide again from the top
+                continue
             values = scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale)
             formula = pool[scoring.choose([values[i] for i in pool], weights.temperature, u)]
-            chosen, affinity = formula, ""
-            if kept is not None and kept in ids and ids.index(kept) in pool:
+            chosen = formula
+            if kept is not None and not leave and kept in ids and ids.index(kept) in pool:
                 chosen = ids.index(kept)
-                affinity = "kept" if chosen == formula else "overrode"
             worker = ids[chosen]
             overlap = overlaps[worker]
             prefill_pages = max(n_pages - overlap.device - overlap.predicted, 0)
@@ -439,9 +454,11 @@ class Router:
                 keys, request_id, worker, prefill_pages, decode_pages, load_version=roster.load_version,
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
                 marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
-                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)),
-                leave_session=kept is not None and affinity == "")
+                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave)
             if answer.outcome is Checked.BOOKED:
+                affinity = ""
+                if session and answer.worker_id == worker:
+                    affinity = "kept" if chosen == formula else "overrode"
                 if request.book:
                     roster.add(worker, prefill_pages, decode_pages, answer.load_version)
                     if session:
@@ -455,6 +472,7 @@ class Router:
                 kept = answer.worker_id
                 if session:
                     self._remember_session(session, kept)
+                leave = not (kept in ids and ids.index(kept) in pool)
             elif answer.outcome is Checked.FEED_AHEAD:
                 return answer.change
             else:
@@ -768,15 +786,13 @@ class Router:
         `router_worker_hash_mismatch_pages`."""
         found = await read_hash_mismatches(self.redis)
         partial = await read_partial_workers(self.redis)
-        self.metrics.partial_workers.clear()
-        for model, workers in partial.items():
-            self.metrics.partial_workers.labels(model).set(len(workers))
+        self.metrics.replace_series(self.metrics.partial_workers,
+                                    {(model,): len(workers) for model, workers in partial.items()})
         self.partial_workers = partial
         self._hash_checks_read_at = time.monotonic()
-        gauge = self.metrics.worker_hash_mismatch
-        gauge.clear()
+        self.metrics.replace_series(self.metrics.worker_hash_mismatch,
+                                    {(model, check.worker_id): check.mismatched for model, check in found})
         for model, check in found:
-            gauge.labels(model, check.worker_id).set(check.mismatched)
             if all((model, check.worker_id) != (m, c.worker_id) for m, c in self.hash_mismatches):
                 log.error("worker %s/%s publishes page hashes routers cannot match (%d of %d checked pages): %s",
                           model, check.worker_id, check.mismatched, check.checked, check.explanation)

@@ -1,7 +1,14 @@
 """The router's Prometheus metrics, in a registry of its own per router (tests and benches
-run several routers in one process)."""
+run several routers in one process).
+
+With `--processes N` each process keeps its values in prometheus_client's multiprocess files
+and /metrics of any of them reads all (`replica_registry`): counters and histograms sum over
+the processes; each gauge says how the processes' values combine (`multiprocess_mode`: the
+sum for what each holds a share of, the worst for a state)."""
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -37,6 +44,7 @@ class RouterMetrics:
         self.chosen_overlap_by_tier = tuple(self.chosen_overlap.labels(tier)
                                             for tier in ("device", "host", "disk", "shared_beyond"))
         self._decisions_by_mode: dict[str, Counter] = {}
+        self._series: dict[int, set[tuple[str, ...]]] = {}  # replace_series: the label sets set last
         self.full_reads = Counter("router_full_reads",
                                   "Decisions that read the model's state from Redis instead of this replica's copies "
                                   "of it (a round trip more), by why: index_not_ready, index_behind, rebuilding, "
@@ -60,25 +68,28 @@ class RouterMetrics:
                                               "Decisions published to JetStream", registry=r)
         self.decision_log_dropped = Counter("router_decision_log_dropped",
                                             "Decisions not published (queue full or NATS error)", registry=r)
-        self.state_store_up = Gauge("router_state_store_up", "1 while the last Redis call succeeded", registry=r)
+        self.state_store_up = Gauge("router_state_store_up", "1 while the last Redis call succeeded",
+                                    multiprocess_mode="livemin", registry=r)
         self.load_reconciled = Counter("router_load_reconciled",
                                        "Times a model's booked load had drifted from its live bookings and was "
                                        "recomputed from them", registry=r)
         self.fallback_in_flight = Gauge("router_fallback_in_flight",
                                         "Requests this replica routed without Redis and still counts as in flight "
-                                        "(bounded, expiring)", registry=r)
+                                        "(bounded, expiring)", multiprocess_mode="livesum", registry=r)
         self.partial_workers = Gauge("router_partial_workers",
                                      "Workers whose state began after their engine's first batch (routed to, "
-                                     "but missing what the engine held before)", ["model"], registry=r)
+                                     "but missing what the engine held before)", ["model"],
+                                     multiprocess_mode="livemax", registry=r)
         self.proxy_requests = Counter("router_proxy_requests", "Proxied /generate requests by outcome",
                                       ["outcome"], registry=r)
         self.worker_hash_mismatch = Gauge(
             "router_worker_hash_mismatch_pages",
             "Stored pages whose published hash is not SGLang's chain over their tokens (the router can never "
-            "match them), per worker, as recorded by the processors", ["model", "worker"], registry=r)
+            "match them), per worker, as recorded by the processors", ["model", "worker"],
+            multiprocess_mode="livemax", registry=r)
         self.index_entries = Gauge("router_index_entries",
                                    "(page, tier) entries in this replica's in-memory tier index, per model",
-                                   ["model"], registry=r)
+                                   ["model"], multiprocess_mode="livemax", registry=r)
         self.index_lag = Histogram("router_index_lag_seconds",
                                    "From a change feed entry's append in Redis to its application to this "
                                    "replica's index", buckets=_LATENCY_BUCKETS, registry=r)
@@ -88,7 +99,8 @@ class RouterMetrics:
                                         "malformed)", ["reason"], registry=r)
         self.index_ready = Gauge("router_index_ready",
                                  "1 while the model's index follows the feed (decisions read it), 0 while it "
-                                 "bootstraps (decisions walk in Redis)", ["model"], registry=r)
+                                 "bootstraps (decisions walk in Redis)", ["model"],
+                                 multiprocess_mode="livemin", registry=r)
         self.tokenize_seconds = Histogram("router_tokenize_seconds",
                                           "Tokenizing an OpenAI-API request (chat template included), in the pool",
                                           buckets=_LATENCY_BUCKETS, registry=r)
@@ -129,7 +141,8 @@ class RouterMetrics:
                                   "first byte (--migration-limit)", registry=r)
         self.circuit_open = Gauge("router_worker_circuit_open",
                                   "1 while this replica leaves a worker out after failing to reach it "
-                                  "(--breaker-failures in a row)", ["model", "worker"], registry=r)
+                                  "(--breaker-failures in a row)", ["model", "worker"],
+                                  multiprocess_mode="livemax", registry=r)
         self.connections_closed = Counter("router_connections_closed",
                                           "Client connections the router closed, by reason (idle: no request "
                                           "head in --header-timeout; header_timeout: a head begun, not finished; "
@@ -138,14 +151,14 @@ class RouterMetrics:
                                           ["reason"], registry=r)
         self.queue_depth = Gauge("router_queue_depth",
                                  "Requests waiting in this replica's queue for a worker under its busy thresholds",
-                                 registry=r)
+                                 multiprocess_mode="livesum", registry=r)
         self.queue_wait = Histogram("router_queue_wait_seconds", "Time requests waited in the queue (placed or not)",
                                     buckets=_USER_LATENCY_BUCKETS, registry=r)
         self.admission_refusals = Counter("router_admission_refusals",
                                           "Requests refused with Retry-After, by reason (queue_full: 429, "
                                           "queue_timeout and draining: 503)", ["reason"], registry=r)
         self.draining = Gauge("router_draining", "1 while this replica drains (SIGTERM): new requests get 503",
-                              registry=r)
+                              multiprocess_mode="livemax", registry=r)
         self.state_store_up.set(1)
 
     def decisions_by_mode(self, mode: str):
@@ -154,5 +167,34 @@ class RouterMetrics:
             child = self._decisions_by_mode[mode] = self.decisions.labels(mode)
         return child
 
+    def replace_series(self, gauge: Gauge, values: dict[tuple[str, ...], float]) -> None:
+        """Set `gauge` to exactly `values` (label values -> value): series set before and not
+        now go (with --processes, where prometheus_client cannot remove a series from its
+        files, they are set to 0 instead)."""
+        before = self._series.setdefault(id(gauge), set())
+        gone = before - values.keys()
+        if gone and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            for labels in gone:
+                gauge.labels(*labels).set(0)
+        elif gone:
+            for labels in gone:
+                gauge.remove(*labels)
+        for labels, value in values.items():
+            gauge.labels(*labels).set(value)
+        self._series[id(gauge)] = set(values)
+
     def full_reads_by_reason(self, reason: str):
         return self.full_reads.labels(reason)
+
+
+def replica_registry(registry: CollectorRegistry) -> CollectorRegistry:
+    """What /metrics serves: `registry` for a router of one process; with `--processes N`
+    (prometheus_client's multiprocess files in PROMETHEUS_MULTIPROC_DIR), every process's
+    values together."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return registry
+    from prometheus_client import multiprocess
+
+    combined = CollectorRegistry()
+    multiprocess.MultiProcessCollector(combined)
+    return combined

@@ -21,6 +21,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
 #: The longest a copy is used before it is read again whatever it holds (seconds): bounds how
@@ -93,6 +94,7 @@ class ModelRoster:
         self.max_age_s = max_age_s
         self.roster: Roster | None = None
         self.lock = asyncio.Lock()
+        self._script = client.register_script(load_lua("kvtier.router", "read_roster.lua"))
 
     def current(self, now_ms: int) -> Roster | None:
         roster = self.roster
@@ -101,28 +103,24 @@ class ModelRoster:
         return roster
 
     async def read(self, now_ms: int) -> Roster:
-        """Everything in one MULTI: a snapshot, the loads at the version read with them."""
+        """Everything in one script call (read_roster.lua): a snapshot, the loads at the
+        version read with them."""
         keys = self.keys
-        pipe = self._client.pipeline(transaction=True)
-        pipe.zrange(keys.leases, 0, -1, withscores=True)
-        pipe.smembers(keys.stale_workers)
-        pipe.hgetall(keys.page_sizes)
-        pipe.hmget(keys.incarnation, "ready", "rebuilding", "id")
-        pipe.get(keys.changes_counter)
-        pipe.get(keys.load_version)
-        pipe.hgetall(keys.prefill_load)
-        pipe.hgetall(keys.decode_load)
         started = time.monotonic()
-        leases, stale, sizes, (ready, rebuilding, marker_id), change, version, prefill, decode = await pipe.execute()
+        leases, stale, sizes, (ready, rebuilding, marker_id), change, version, prefill, decode = await self._script(
+            keys=[keys.leases, keys.stale_workers, keys.page_sizes, keys.incarnation, keys.changes_counter,
+                  keys.load_version, keys.prefill_load, keys.decode_load])
+        size_of = _int_map(sizes)
         live = {}
-        for member, score in leases:
-            if score > now_ms:
-                live[as_text(member)] = (int(sizes.get(member) or 0), int(score))
+        for i in range(0, len(leases), 2):
+            worker, expiry = as_text(leases[i]), int(float(leases[i + 1]))
+            if expiry > now_ms:
+                live[worker] = (size_of.get(worker, 0), expiry)
         roster = Roster(
-            read_at=started, live=live, lease_count=len(leases), stale=frozenset(as_text(s) for s in stale),
-            marker_id=as_text(marker_id or b""), ready=as_text(ready or b"") == "1",
-            rebuilding=as_text(rebuilding or b"") == "1", change=int(change or 0),
-            next_expiry_ms=min((expiry for _, expiry in live.values()), default=1 << 62), load_version=None)
+            read_at=started, live=live, lease_count=len(leases) // 2, stale=frozenset(as_text(s) for s in stale),
+            marker_id=as_text(marker_id), ready=as_text(ready) == "1", rebuilding=as_text(rebuilding) == "1",
+            change=int(change or 0), next_expiry_ms=min((expiry for _, expiry in live.values()), default=1 << 62),
+            load_version=None)
         roster.set_loads(int(version or 0), prefill, decode)
         self.roster = roster
         return roster

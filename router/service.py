@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import hmac
 import logging
+import os
 import random
 import time
 import uuid
@@ -51,10 +52,12 @@ from kvtier.schemas.router_health import (
     HashSchemeHealth,
     MismatchedWorker,
     PartialWorker,
+    ProcessHealth,
     QueueHealth,
     RouterHealth,
     SharedPoolHealth,
     StateStoreHealth,
+    decode_router_health,
 )
 from kvtier.schemas.routing import (
     AdmissionChange,
@@ -84,6 +87,8 @@ from .core import (
 )
 from .hashing import RequestPages
 from .http_guard import CLOSE_REASONS, GuardStats, HttpLimits, guarded_runner
+from .metrics import replica_registry
+from .processes import SIBLING_TIMEOUT_S, ProcessSlot
 from .tokenization_check import TokenizationCheck
 
 log = logging.getLogger("kvtier.router.http")
@@ -93,6 +98,8 @@ _json = msgspec.json.Encoder()
 
 @dataclass
 class ServiceSettings:
+    #: This process's place in a replica of several (--processes); None: a replica of one.
+    process: ProcessSlot | None = None
     max_request_tokens: int = 1 << 18
     max_body_bytes: int = 32 << 20
     proxy: bool = False
@@ -346,9 +353,12 @@ class RouterService:
         if request.method == "PUT":
             if not self.settings.auth_token:
                 raise Refused(403, "changing admission needs a router started with --auth-token")
-            change = _decode(await request.read(), AdmissionChange)
+            raw = await request.read()
+            change = _decode(raw, AdmissionChange)
             self._apply_admission(change.applied_to(self.router.settings.admission))
             log.warning("admission changed: %s", self.router.settings.admission)
+            if request.query.get("scope") != "process":
+                await self._tell_siblings("PUT", "/v1/admission?scope=process", raw, request.headers)
         return web.Response(body=_json.encode(self.router.settings.admission), content_type="application/json")
 
     async def _decide(self, route: RouteRequest, exclude: frozenset[str] = frozenset()) -> Outcome:
@@ -475,12 +485,68 @@ class RouterService:
             queue=QueueHealth(depth=self.queue.depth, peak=self.queue.peak, size=self.queue.size,
                               timeout_s=self.queue.timeout_s),
         )
+        if self.settings.process is not None and request.query.get("scope") == "process":
+            body = msgspec.structs.replace(body, processes=[self._process_health(self.settings.process.index, body)])
+        slot = self.settings.process
+        if slot is not None and request.query.get("scope") != "process":
+            body = await self._with_siblings(body, slot)
         # 503 while draining, so a load balancer's health check takes this replica out first
         return web.Response(status=503 if self.draining else 200, body=_json.encode(body),
                             content_type="application/json")
 
+    def _process_health(self, index: int, health: RouterHealth) -> ProcessHealth:
+        return ProcessHealth(index=index, pid=os.getpid(), status=health.status, decisions=self.router.decisions_made,
+                             in_flight=self.in_flight, queue_depth=self.queue.depth,
+                             indexes_ready=all(i.ready for i in health.indexes))
+
+    async def _with_siblings(self, own: RouterHealth, slot: ProcessSlot) -> RouterHealth:
+        """`own` with every process of the replica listed, and the worst status of theirs."""
+        answers = await self._tell_siblings("GET", "/healthz?scope=process")
+        processes = [self._process_health(slot.index, own)]
+        for entry, answer in answers:
+            health = None
+            if answer is not None:
+                try:
+                    health = decode_router_health(answer)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+            if health is None or not health.processes:
+                processes.append(ProcessHealth(index=entry["index"], pid=entry.get("pid", 0), status="unreachable"))
+            else:
+                processes.append(health.processes[0])
+        seen = {p.index for p in processes}
+        processes += [ProcessHealth(index=i, status="unreachable") for i in range(slot.count) if i not in seen]
+        statuses = {p.status for p in processes}
+        status = ("draining" if "draining" in statuses else "ok" if statuses == {"ok"} else "degraded")
+        return msgspec.structs.replace(own, status=status, processes=sorted(processes, key=lambda p: p.index))
+
+    async def _tell_siblings(self, method: str, path: str, body: bytes | None = None,
+                             headers=None) -> list[tuple[dict, bytes | None]]:
+        """Ask every other process of the replica (their private loopback ports), at once:
+        [(its entry, its answer's body or None)]."""
+        slot = self.settings.process
+        if slot is None:
+            return []
+        forwarded = {k: v for k, v in (headers or {}).items() if k.lower() in ("authorization", "content-type")}
+
+        async def ask(session: ClientSession, entry: dict) -> tuple[dict, bytes | None]:
+            try:
+                async with session.request(method, f"http://127.0.0.1:{entry['port']}{path}", data=body,
+                                           headers=forwarded) as reply:
+                    data = await reply.read()
+                    return entry, data if reply.status < 500 or method == "GET" else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return entry, None
+
+        siblings = slot.siblings()
+        if not siblings:
+            return []
+        async with ClientSession(timeout=ClientTimeout(total=SIBLING_TIMEOUT_S)) as session:
+            return list(await asyncio.gather(*(ask(session, entry) for entry in siblings)))
+
     async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(replica_registry(self.metrics.registry)),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # --- proxy mode ---------------------------------------------------------------------
     async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage) -> None:
@@ -644,15 +710,13 @@ class RouterService:
     def _worker_failed(self, model: str, worker_id: str, reason: str) -> None:
         self.metrics.upstream_failures.labels(reason).inc()
         if self.router.breaker.failed(model, worker_id):
-            self.metrics.circuit_open.labels(model, worker_id).set(1)
+            self._export_circuits()
             log.warning("worker %s/%s failed %d times in a row: left out of this replica's candidates for now",
                         model, worker_id, self.router.breaker.failures_to_open)
 
     def _export_circuits(self) -> None:
-        gauge = self.metrics.circuit_open
-        gauge.clear()
-        for circuit in self.router.breaker.open_circuits():
-            gauge.labels(circuit.model, circuit.worker_id).set(1)
+        self.metrics.replace_series(self.metrics.circuit_open, {
+            (circuit.model, circuit.worker_id): 1 for circuit in self.router.breaker.open_circuits()})
 
     async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest, received: float,
                        tokenized: bool = False) -> web.StreamResponse:
@@ -869,9 +933,15 @@ async def run_router_service(router: Router, settings: ServiceSettings, host: st
     runner = guarded_runner(service.app(), settings.http_limits, stats=stats, access_log=None, handle_signals=False,
                             handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    slot = settings.process
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=slot is not None)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
+    if slot is not None:
+        # Where this process answers its siblings (/healthz?scope=process, PUT /v1/admission).
+        private = web.TCPSite(runner, "127.0.0.1", 0)
+        await private.start()
+        slot.register(private._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     log.info("router %s serving on http://%s:%d", router.router_id, host, bound)
     if ready is not None:
         ready(bound)

@@ -134,6 +134,21 @@ class QueueHealth(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 0.0
 
 
+class ProcessHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """One process of a replica serving its port from several (`kvtier router --processes N`),
+    as it answered its sibling."""
+
+    index: int
+    pid: int = 0
+    #: Its own status ("ok", "degraded", "draining"), or "unreachable" when it did not answer.
+    status: str = ""
+    decisions: int = 0  # made since it started
+    in_flight: int = 0  # requests it is serving now
+    queue_depth: int = 0
+    #: Every model's index follows the feed in it (False while one bootstraps).
+    indexes_ready: bool = False
+
+
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: "ok", "draining" (SIGTERM: refusing new requests), or "degraded" when the state store,
     #: the shared pool, a worker's hashes or the
@@ -161,6 +176,9 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: Workers left out after failing to answer (--breaker-failures); a router too old to say: [].
     open_circuits: list[OpenCircuitHealth] = []
     queue: QueueHealth = QueueHealth()
+    #: Every process of a replica started with --processes N, the one answering included; its
+    #: status is the worst of theirs. [] for a replica of one process.
+    processes: list[ProcessHealth] = []
 
 
 _decoder = msgspec.json.Decoder(RouterHealth)

@@ -27,7 +27,9 @@ Measured, side by side in one run:
     concurrently against the same Redis: aggregate decisions/s and Redis CPU per decision;
   - the same with the shared-pool query (a real Mooncake master; only where this process
     runs in a private network namespace, see --shared-pool);
-  - over HTTP to a `kvtier router` process: decisions/s at `--http-concurrency`;
+  - over HTTP to a `kvtier router` process: decisions/s at `--http-concurrency`, beside the same
+    client against a bare aiohttp + msgspec server of the same bodies (`bare_http_per_s`,
+    kvtier/bench/bare_http.py), taking turns with it;
   - Dynamo's `RadixTree.find_matches` on the same device pages (ai-dynamo-runtime, optional),
     single-tier and in-process.
 """
@@ -715,73 +717,118 @@ def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], ar
     return {"p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"], "decisions_per_s": result["decisions_per_s"]}
 
 
-def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
-    """Decisions/s through a `kvtier router` process over loopback HTTP (booked, then released)."""
-    import tempfile
+def _wait_http(base: str, alive, tail, deadline_s: float = 80.0, index_of: str | None = None) -> None:
+    """Until `base`/healthz answers (and, for a router reading an index, the index of model
+    token `index_of` is ready)."""
     import urllib.request
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            health = json.loads(urllib.request.urlopen(base + "/healthz", timeout=1).read())
+            if index_of is None or health.get("state_source") != "mirror" or any(
+                    i["model"] == index_of and i["ready"] for i in health.get("indexes", [])):
+                return
+        except OSError:
+            pass
+        if not alive() or time.monotonic() > deadline:
+            raise SystemExit(f"{base} did not come up: {tail()}")
+        time.sleep(0.05)
+
+
+async def _http_load(base: str, bodies: list[tuple[str, bytes]], concurrency: int) -> tuple[float, list[float]]:
+    """Each body POSTed to /v1/route then its id released (/v1/release), by `concurrency`
+    clients on one aiohttp session: (seconds, route latencies)."""
+    import aiohttp
+
+    queue = bodies[::-1]
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+        async def loop():
+            while queue:
+                request_id, body = queue.pop()
+                t0 = time.perf_counter()
+                async with s.post("/v1/route", data=body, headers=clients.JSON_HEADERS) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                latencies.append(time.perf_counter() - t0)
+                await clients.release(s, "", MODEL, request_id)  # the session's base URL
+
+        start = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return time.perf_counter() - start, latencies
+
+
+def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
+    """Decisions/s through a `kvtier router` process over loopback HTTP (booked, then released),
+    and the same client against a bare aiohttp + msgspec server of the same bodies
+    (kvtier/bench/bare_http.py): the router's rate as a fraction of what its HTTP stack can
+    carry. They take turns (router, bare, bare, router), so a drifting machine weighs on both."""
+    import subprocess
+    import tempfile
 
     from kvtier.bench.processes import KvtierSubprocess
     from kvtier.harness.embedded import free_port
 
-    port = free_port()
-    proc = KvtierSubprocess(["router", "--redis", redis_url, "--http-port", str(port), "--log-level", "WARNING"],
-                            tempfile.mkdtemp(prefix="kvtier-bench-route-"), "router")
-    base = f"http://127.0.0.1:{port}"
+    port, bare_port, multi_port = free_port(), free_port(), free_port()
+
+    def router(http_port: int, *extra: str) -> KvtierSubprocess:
+        return KvtierSubprocess(["router", "--redis", redis_url, "--http-port", str(http_port), "--log-level",
+                                 "WARNING", *extra], tempfile.mkdtemp(prefix="kvtier-bench-route-"), "router")
+
+    proc = router(port)
+    multi = router(multi_port, "--processes", str(args.http_processes)) if args.http_processes > 1 else None
+    bare = subprocess.Popen([sys.executable, "-m", "kvtier.bench.bare_http", "--port", str(bare_port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    targets = {"router": f"http://127.0.0.1:{port}", "bare": f"http://127.0.0.1:{bare_port}"}
+    token = ModelKeys.for_model(MODEL).model_token
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(base + "/healthz", timeout=1).read()
-                break
-            except OSError:
-                if proc.proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"router did not start: {proc.tail()}") from None
-                time.sleep(0.1)
-        # A router reading an index routes from it once built: wait for it, as for the others.
-        token = ModelKeys.for_model(MODEL).model_token
-        while True:
-            health = json.loads(urllib.request.urlopen(base + "/healthz", timeout=1).read())
-            if health.get("state_source") != "mirror" or any(
-                    i["model"] == token and i["ready"] for i in health.get("indexes", [])):
-                break
-            if proc.proc.poll() is not None or time.monotonic() > deadline + 60:
-                raise SystemExit(f"the router's index was not ready: {proc.tail()}")
-            time.sleep(0.05)
+        _wait_http(targets["router"], lambda: proc.proc.poll() is None, proc.tail, index_of=token)
+        _wait_http(targets["bare"], lambda: bare.poll() is None, lambda: "the bare server exited")
+        if multi is not None:
+            targets["processes"] = f"http://127.0.0.1:{multi_port}"
+            _wait_http(targets["processes"], lambda: multi.proc.poll() is None, multi.tail, index_of=token)
 
-        async def load():
-            import aiohttp
+        def bodies(tag: str) -> list[tuple[str, bytes]]:
+            return [(f"{tag}-{i}", msgspec.json.encode(RouteRequest(model=MODEL, token_ids=state.conversations[c],
+                                                                    request_id=f"{tag}-{i}")))
+                    for i, c in enumerate(requests)]
 
-            bodies = [msgspec.json.encode(RouteRequest(model=MODEL, token_ids=state.conversations[c],
-                                                       request_id=f"h-{i}"))
-                      for i, c in enumerate(requests)]
-            queue = list(enumerate(bodies))
-            latencies: list[float] = []
-            async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=args.http_concurrency)) as s:
-                async def loop():
-                    while queue:
-                        i, body = queue.pop()
-                        t0 = time.perf_counter()
-                        async with s.post("/v1/route", data=body, headers=clients.JSON_HEADERS) as r:
-                            assert r.status == 200, await r.text()
-                            await r.read()
-                        latencies.append(time.perf_counter() - t0)
-                        await clients.release(s, "", MODEL, f"h-{i}")  # the session's base URL
+        order = [name for name in ("router", "bare", "processes") if name in targets]
+        order += order[::-1]  # each in turn, then back: a drifting machine weighs on all alike
 
-                start = time.perf_counter()
-                await asyncio.gather(*(loop() for _ in range(args.http_concurrency)))
-                elapsed = time.perf_counter() - start
-            out = _summary(latencies)
-            return {"http_decisions_per_s": round(len(latencies) / elapsed),
-                    "http_p50_ms": out["p50_ms"], "http_p99_ms": out["p99_ms"]}
+        async def rounds():
+            spent: dict[str, list] = {name: [0.0, []] for name in targets}
+            for k, name in enumerate(order):
+                elapsed, latencies = await _http_load(targets[name], bodies(f"h{k}"), args.http_concurrency)
+                spent[name][0] += elapsed
+                spent[name][1] += latencies
+            return spent
 
         import uvloop
 
-        result = uvloop.run(load())
-        print(f"over HTTP ({args.http_concurrency} concurrent): {result['http_decisions_per_s']} decisions/s "
-              "(route + release each)", file=sys.stderr)
+        spent = uvloop.run(rounds())
+        rate = {name: round(len(latencies) / elapsed) for name, (elapsed, latencies) in spent.items()}
+        out = _summary(spent["router"][1])
+        result = {"http_decisions_per_s": rate["router"], "http_p50_ms": out["p50_ms"], "http_p99_ms": out["p99_ms"],
+                  "bare_http_per_s": rate["bare"], "http_vs_bare": round(rate["router"] / rate["bare"], 3)}
+        say = f"{rate['router']} decisions/s"
+        if "processes" in rate:
+            many = _summary(spent["processes"][1])
+            result.update({"http_processes": args.http_processes, "http_processes_decisions_per_s": rate["processes"],
+                           "http_processes_p50_ms": many["p50_ms"], "http_processes_p99_ms": many["p99_ms"],
+                           "http_processes_vs_one": round(rate["processes"] / rate["router"], 3)})
+            say += f", {rate['processes']} with --processes {args.http_processes}"
+        print(f"over HTTP ({args.http_concurrency} concurrent, route + release each): {say}; a bare aiohttp + "
+              f"msgspec server of the same bodies {rate['bare']}/s (one process at {result['http_vs_bare']:.0%} "
+              "of it)", file=sys.stderr)
         return result
     finally:
         proc.stop()
+        if multi is not None:
+            multi.stop()
+        bare.terminate()
+        bare.wait(10)
 
 
 def _print_table(results: dict) -> None:
@@ -810,7 +857,12 @@ def _print_table(results: dict) -> None:
         rows.append(("with shared pool p50 / p99 (ms)", f"{results['shared_p50_ms']} / {results['shared_p99_ms']}"))
         rows.append(("with shared pool decisions/s", results["shared_decisions_per_s"]))
     if "http_decisions_per_s" in results:
-        rows.append(("over HTTP decisions/s", results["http_decisions_per_s"]))
+        rows.append(("over HTTP decisions/s (bare aiohttp + msgspec server)",
+                     f"{results['http_decisions_per_s']} ({results['bare_http_per_s']}/s, "
+                     f"{results['http_vs_bare']:.0%})"))
+    if "http_processes_decisions_per_s" in results:
+        rows.append((f"over HTTP with --processes {results['http_processes']} decisions/s (x one)",
+                     f"{results['http_processes_decisions_per_s']} ({results['http_processes_vs_one']}x)"))
         rows.append(("over HTTP p50 / p99 (ms)", f"{results['http_p50_ms']} / {results['http_p99_ms']}"))
     if "index_bytes_per_entry" in results:
         rows.append(("index bytes per entry (entries)",

@@ -9,6 +9,7 @@ from kvtier.commands.flags import (
     add_cluster_arguments,
     add_common,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -57,6 +58,8 @@ def register(sub) -> None:
     route.add_argument("--decisions", type=positive_int, default=3000, help="Decisions per measurement.")
     route.add_argument("--concurrency", type=positive_int, default=16, help="Concurrent in-process decisions.")
     route.add_argument("--http-concurrency", type=positive_int, default=32, help="Concurrent HTTP clients.")
+    route.add_argument("--http-processes", type=non_negative_int, default=2,
+                       help="Also over HTTP to a router started with --processes N (0 or 1: skip).")
     route.add_argument("--shared-pool", action="store_true",
                        help="Also measure with a real Mooncake master (needs a private network namespace).")
     route.add_argument("--no-http", action="store_true", help="Skip the decisions over HTTP.")

@@ -141,11 +141,20 @@ def register(sub) -> None:
                    help="Read the --auth-token from this file (surrounding whitespace ignored).")
     r.add_argument("--protect-metrics", action="store_true",
                    help="With an auth token, /metrics requires it too (/healthz always stays open).")
+    r.add_argument("--processes", type=positive_int, default=1,
+                   help="Serve the port from this many processes (SO_REUSEPORT; each its own index and "
+                        "copies, kept consistent by Redis as replicas are): one replica on as many cores. "
+                        "/metrics and /healthz of the port describe every process.")
     add_common(r)
     r.set_defaults(run=run)
 
 
 def run(args) -> None:
+    from kvtier.router.processes import ProcessSlot, serve_on_processes
+
+    if args.processes > 1 and ProcessSlot.from_env() is None:
+        _auth_token(args)  # refused here once, not by each process
+        raise SystemExit(serve_on_processes(args.processes, args.host, args.http_port))
     run_until_signal(lambda stop: _run_router(args, stop))
 
 
@@ -176,12 +185,19 @@ async def _run_router(args, stop) -> None:
     if args.shared_cache_type == "hicache" and not args.mooncake_master:
         raise SystemExit("kvtier router: --shared-cache-type hicache needs --mooncake-master http://HOST:PORT "
                          "(the master's HTTP port serving /batch_query_keys)")
+    from kvtier.router.processes import ProcessSlot
+
+    slot = ProcessSlot.from_env()
+    router_id = args.router_id
+    if slot is not None and router_id:
+        router_id = f"{router_id}-p{slot.index}"  # one name per process in the decision log
     config = RouterConfig(
-        redis_url=args.redis, nats_url=args.nats, host=args.host, http_port=args.http_port,
+        redis_url=args.redis, nats_url=args.nats, host=args.host,
+        http_port=slot.port if slot is not None else args.http_port,
         router_mode=args.router_mode, shared_cache_type=args.shared_cache_type, mooncake_master=args.mooncake_master,
         shared_cache_timeout_s=args.shared_cache_timeout_ms / 1000, page_size=args.page_size,
-        booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=args.router_id,
-        seed=args.seed,
+        booking_ttl_s=args.booking_ttl_s, state_timeout_s=args.state_timeout_ms / 1000, router_id=router_id,
+        seed=args.seed if slot is None or args.seed is None else args.seed + slot.index,
         weights=scoring_weights_from(args),
         predicted_pages=args.predicted_pages == "on", state_source=args.state_source,
         redis_max_connections=args.redis_max_connections, redis_pool_wait_s=args.redis_pool_wait_ms / 1000,
@@ -200,6 +216,7 @@ async def _run_router(args, stop) -> None:
                                 upstream_idle_timeout_s=args.upstream_idle_timeout_s,
                                 upstream_timeout_s=args.upstream_timeout_s, engine_api_key=args.engine_api_key,
                                 migration_limit=args.migration_limit, drain_timeout_s=args.drain_timeout_s,
+                                process=slot,
                                 http_limits=HttpLimits(header_timeout_s=args.header_timeout_s,
                                                        body_timeout_s=args.body_timeout_s,
                                                        keepalive_timeout_s=args.keepalive_timeout_s,

@@ -51,6 +51,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .piece_cache import PieceCache
+
 if TYPE_CHECKING:
     from kvtier.schemas.openai import ChatCompletionRequest
 
@@ -121,9 +123,12 @@ class ModelTokenizer:
     _special: dict[str, str]
     #: How the template takes content given as parts: "openai" (a list of parts), "string" (text).
     _content_format: str = "string"
+    #: The ids of pieces seen before (kvtier/plumbing/piece_cache.py); None: every text encoded whole.
+    _pieces: PieceCache | None = None
 
     @classmethod
-    def load(cls, path: str | Path) -> ModelTokenizer:
+    def load(cls, path: str | Path, cache_bytes: int = 0) -> ModelTokenizer:
+        """`cache_bytes`: the most the ids of pieces seen before may hold (0: no cache)."""
         folder = Path(path).expanduser()
         if folder.is_file():
             folder = folder.parent
@@ -134,7 +139,8 @@ class ModelTokenizer:
         try:
             from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            tokenizer_text = tokenizer_file.read_text(encoding="utf-8")
+            tokenizer = Tokenizer.from_str(tokenizer_text)
         except Exception as exc:  # noqa: BLE001 - the library raises its own kinds
             raise TokenizerError(f"{tokenizer_file}: cannot be read ({exc})") from None
         config: dict[str, Any] = {}
@@ -157,7 +163,8 @@ class ModelTokenizer:
         if isinstance(template_text, str):
             template = _compile(template_text, config_file)
             content_format = _content_format(template, template_text)
-        return cls(str(folder), tokenizer, template, special, content_format)
+        pieces = PieceCache.for_tokenizer(tokenizer, tokenizer_text, cache_bytes) if cache_bytes else None
+        return cls(str(folder), tokenizer, template, special, content_format, pieces)
 
     @property
     def has_chat_template(self) -> bool:
@@ -166,7 +173,13 @@ class ModelTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self._encode(text, add_special_tokens=True)
 
+    @property
+    def piece_cache(self) -> PieceCache | None:
+        return self._pieces
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._pieces is not None:
+            return self._pieces.encode(text, add_special_tokens)
         # The ids without the character offsets `encode` also tracks: half the time, the same ids.
         return list(self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 

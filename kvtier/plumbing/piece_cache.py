@@ -1,0 +1,197 @@
+"""Tokenizing once what a conversation repeats. A Hugging Face tokenizer cuts a text at its
+added tokens (the special tokens a chat template writes around every turn) before anything
+else, and encodes the pieces between them apart: normalizing, pre-tokenizing and the model
+never see across an added token. So a text's ids are its pieces' ids in order, and a piece
+seen before (a conversation's earlier turns, a shared system prompt) need not be encoded
+again. `PieceCache` cuts a text as the library does, keeps each piece's ids (an LRU bounded
+by bytes), and encodes only the new pieces, together, in one batch (which the library runs on
+several threads).
+
+Exact where the library's cut is exactly this one (`PieceCache.for_tokenizer` returns None
+otherwise, and the text is encoded whole):
+- no normalizer, or an empty sequence of them: added tokens are then matched on the text as
+  given, whether marked `normalized` or not;
+- no added token strips the whitespace around it (`lstrip`, `rstrip`) or matches whole words
+  only (`single_word`): the pieces are then exactly the text between matches;
+- matching as the library matches: first the tokens not `normalized`, leftmost-longest over
+  the whole text, then the `normalized` ones, leftmost-longest within each piece left.
+A text's special tokens added by the post-processor (a BOS) are found by probing, and checked.
+tests/test_tokenizer_cache.py compares it with one full encode on random chats (unicode,
+system prompts, tool messages) with the real DeepSeek-V4 byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import json
+import re
+import threading
+from typing import Any
+
+#: Pieces shorter than this are encoded every time: looking them up costs about as much.
+MIN_CACHED_CHARS = 32
+
+
+class _Trie:
+    """Fixed strings, found leftmost-longest (as Aho-Corasick with that semantics finds them)."""
+
+    def __init__(self, words: list[str]):
+        self.root: dict = {}
+        for word in words:
+            node = self.root
+            for ch in word:
+                node = node.setdefault(ch, {})
+            node[""] = word  # the end of a word
+        firsts = sorted(self.root)
+        self.first = re.compile("[" + "".join(re.escape(c) for c in firsts) + "]") if firsts else None
+
+    def spans(self, text: str, start: int = 0, end: int | None = None):
+        """(begin, end) of each match in text[start:end], left to right, none overlapping."""
+        end = len(text) if end is None else end
+        if self.first is None:
+            return
+        search = self.first.search
+        pos = start
+        while pos < end:
+            found = search(text, pos, end)
+            if found is None:
+                return
+            at = found.start()
+            node, longest, i = self.root, -1, at
+            while i < end and text[i] in node:
+                node = node[text[i]]
+                i += 1
+                if "" in node:
+                    longest = i
+            if longest < 0:
+                pos = at + 1
+                continue
+            yield at, longest
+            pos = longest
+
+
+class PieceCache:
+    def __init__(self, tokenizer: Any, added: dict[str, int], unnormalized: list[str], normalized: list[str],
+                 max_bytes: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = (),
+                 special_checked: bool = False):
+        self._tokenizer = tokenizer
+        self._added = added  # content -> id
+        self._first = _Trie(unnormalized)
+        self._second = _Trie(normalized)
+        self.max_bytes = max_bytes
+        self._prefix, self._suffix = list(prefix), list(suffix)
+        self._special_checked = special_checked  # add_special_tokens=True is prefix + ids + suffix
+        self._pieces: collections.OrderedDict[str, array.array] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, tokenizer_json: str, max_bytes: int) -> PieceCache | None:
+        """A cache for `tokenizer` (a `tokenizers.Tokenizer`) read from `tokenizer_json` (its
+        file's text), or None when pieces cannot be proved to encode as the whole does."""
+        if max_bytes <= 0:
+            return None
+        spec = json.loads(tokenizer_json)
+        normalizer = spec.get("normalizer")
+        if normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
+            return None
+        added_tokens = spec.get("added_tokens") or []
+        if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added_tokens):
+            return None
+        added = {t["content"]: int(t["id"]) for t in added_tokens if t.get("content")}
+        unnormalized = [t["content"] for t in added_tokens if t.get("content") and not t.get("normalized")]
+        normalized = [t["content"] for t in added_tokens if t.get("content") and t.get("normalized")]
+        cache = cls(tokenizer, added, unnormalized, normalized, max_bytes)
+        # What the post-processor adds around a text (a BOS, an EOS), probed and checked on texts
+        # unlike each other; a tokenizer whose additions vary with the text is encoded whole.
+        probes = ["x", "Hello, world!\n", " 12 ü"]
+        plain = [cache._whole(p, False) for p in probes]
+        full = [cache._whole(p, True) for p in probes]
+        first_plain, first_full = plain[0], full[0]
+        cut = next((i for i in range(len(first_full) - len(first_plain) + 1)
+                    if first_full[i:i + len(first_plain)] == first_plain), None)
+        if cut is not None:
+            prefix, suffix = first_full[:cut], first_full[cut + len(first_plain):]
+            if all(f == prefix + p + suffix for p, f in zip(plain, full)):
+                cache._prefix, cache._suffix, cache._special_checked = prefix, suffix, True
+        return cache
+
+    def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def pieces(self, text: str) -> list[tuple[str, bool]]:
+        """The text cut as the library cuts it: (piece, is an added token), in order."""
+        out: list[tuple[str, bool]] = []
+        pos = 0
+        for begin, end in self._first.spans(text):
+            self._cut_second(text, pos, begin, out)
+            out.append((text[begin:end], True))
+            pos = end
+        self._cut_second(text, pos, len(text), out)
+        return out
+
+    def _cut_second(self, text: str, start: int, end: int, out: list[tuple[str, bool]]) -> None:
+        pos = start
+        for begin, stop in self._second.spans(text, start, end):
+            if begin > pos:
+                out.append((text[pos:begin], False))
+            out.append((text[begin:stop], True))
+            pos = stop
+        if end > pos:
+            out.append((text[pos:end], False))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if add_special_tokens and not self._special_checked:
+            return self._whole(text, True)
+        pieces = self.pieces(text)
+        found: list[array.array | None] = []
+        new: dict[str, None] = {}
+        with self._lock:
+            for piece, is_added in pieces:
+                if is_added or len(piece) < MIN_CACHED_CHARS:
+                    found.append(None)
+                    continue
+                ids = self._pieces.get(piece)
+                if ids is not None:
+                    self._pieces.move_to_end(piece)
+                    self.hits += 1
+                else:
+                    new[piece] = None
+                    self.misses += 1
+                found.append(ids)
+        short = [p for (p, is_added), ids in zip(pieces, found) if ids is None and not is_added and p not in new]
+        batch = list(new) + short
+        encoded = dict(zip(batch, (e.ids for e in self._tokenizer.encode_batch_fast(batch, add_special_tokens=False))))
+        if new:
+            self._keep({piece: encoded[piece] for piece in new})
+        out: list[int] = list(self._prefix) if add_special_tokens else []
+        for (piece, is_added), ids in zip(pieces, found):
+            if is_added:
+                out.append(self._added[piece])
+            elif ids is not None:
+                out.extend(ids)
+            else:
+                out.extend(encoded[piece])
+        if add_special_tokens:
+            out.extend(self._suffix)
+        return out
+
+    def _keep(self, pieces: dict[str, list[int]]) -> None:
+        with self._lock:
+            for piece, ids in pieces.items():
+                if piece in self._pieces:
+                    continue
+                kept = array.array("I", ids)
+                self._pieces[piece] = kept
+                self.bytes += _cost(piece, kept)
+            while self.bytes > self.max_bytes and self._pieces:
+                piece, kept = self._pieces.popitem(last=False)
+                self.bytes -= _cost(piece, kept)
+
+
+def _cost(piece: str, ids: array.array) -> int:
+    """About what a kept piece holds in memory: its text (UTF-8 size as a floor), its ids, and
+    the entry's own overhead."""
+    return len(piece.encode("utf-8", "surrogatepass")) + 4 * len(ids) + 200
