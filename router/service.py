@@ -136,6 +136,9 @@ class ServiceSettings:
     protect_metrics: bool = False
     #: model name -> folder of its tokenizer files (tokenizer.json, tokenizer_config.json)
     tokenizers: dict[str, str] = field(default_factory=dict)
+    #: the most each model's tokenizer keeps of pieces seen before (bytes; 0: none), so a
+    #: conversation's next turn encodes only its new text (kvtier/plumbing/piece_cache.py)
+    tokenizer_cache_bytes: int = 256 << 20
     #: the router's --router-mode, the `mode` label of the proxy's latency histograms
     routing_mode: str = "kv"
     #: seconds after a proxied text request to check its worker stored its last page under the
@@ -217,7 +220,8 @@ class RouterService:
         self._session: ClientSession | None = None
         self._housekeeping: asyncio.Task | None = None
         # Loaded at start (a bad folder stops the router there, not at the first request).
-        self._tokenizers = {model: ModelTokenizer.load(path) for model, path in settings.tokenizers.items()}
+        self._tokenizers = {model: ModelTokenizer.load(path, cache_bytes=settings.tokenizer_cache_bytes)
+                            for model, path in settings.tokenizers.items()}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-tokenize")
         self._long_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                 thread_name_prefix="kvtier-tokenize-long")

@@ -141,6 +141,10 @@ def register(sub) -> None:
                    help="Read the --auth-token from this file (surrounding whitespace ignored).")
     r.add_argument("--protect-metrics", action="store_true",
                    help="With an auth token, /metrics requires it too (/healthz always stays open).")
+    r.add_argument("--tokenizer-cache-mb", type=non_negative_float, default=256.0,
+                   help="Per model, the ids of text pieces seen before (between the special tokens a chat "
+                        "template writes) kept for the next request: a conversation's next turn encodes only "
+                        "its new text (0: encode every prompt whole).")
     r.add_argument("--processes", type=positive_int, default=1,
                    help="Serve the port from this many processes (SO_REUSEPORT; each its own index and "
                         "copies, kept consistent by Redis as replicas are): one replica on as many cores. "
@@ -209,6 +213,7 @@ async def _run_router(args, stop) -> None:
         service=ServiceSettings(max_request_tokens=args.max_request_tokens, max_body_bytes=args.max_body_bytes,
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
                                 tokenizers=dict(args.tokenizer),
+                                tokenizer_cache_bytes=int(args.tokenizer_cache_mb * (1 << 20)),
                                 protect_metrics=args.protect_metrics, max_new_tokens=args.max_new_tokens,
                                 max_prompt_bytes=args.max_prompt_bytes,
                                 upstream_connections_per_worker=args.upstream_connections_per_worker,
