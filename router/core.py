@@ -301,14 +301,22 @@ class Router:
 
     def _admitted(self, model: str, views: list[WorkerView]) -> list[WorkerView]:
         """The views of workers under both busy thresholds; Busy when none is."""
-        prefill, decode = self.settings.admission.busy_prefill_tokens, self.settings.admission.busy_decode_pages
-        if not prefill and not decode:
-            return views
-        under = [v for v in views if not (prefill and v.prefill_load * max(v.page_size, 1) >= prefill)
-                 and not (decode and v.decode_load >= decode)]
+        under = self._under_thresholds(model, [v.page_size for v in views], [v.prefill_load for v in views],
+                                       [v.decode_load for v in views])
+        return views if len(under) == len(views) else [views[i] for i in under]
+
+    def _under_thresholds(self, model: str, page_sizes: list[int], prefill: list[int], decode: list[int]) -> list[int]:
+        """The indexes of the workers (given by columns) under both busy thresholds; Busy when none is."""
+        admission = self.settings.admission
+        busy_prefill, busy_decode = admission.busy_prefill_tokens, admission.busy_decode_pages
+        if not busy_prefill and not busy_decode:
+            return list(range(len(prefill)))
+        under = [i for i in range(len(prefill))
+                 if not (busy_prefill and prefill[i] * max(page_sizes[i], 1) >= busy_prefill)
+                 and not (busy_decode and decode[i] >= busy_decode)]
         if not under:
-            raise Busy(f"every worker of model {model!r} is at its busy threshold (booked prefill >= {prefill} "
-                       f"tokens or decode >= {decode} pages)")
+            raise Busy(f"every worker of model {model!r} is at its busy threshold (booked prefill >= "
+                       f"{busy_prefill} tokens or decode >= {busy_decode} pages)")
         return under
 
     async def _session_worker(self, model: str, session_id: str) -> str | None:
@@ -432,7 +440,7 @@ class Router:
             prefill = [roster.prefill.get(w, 0) for w in ids]
             decode = [roster.decode.get(w, 0) for w in ids]
             try:
-                pool = self._admitted_columns(request.model, ids, prefill, decode, roster)
+                pool = self._under_thresholds(request.model, [roster.live[w][0] for w in ids], prefill, decode)
             except Busy:
                 # Every worker busy by the copy: a refusal (or a wait) rests on the loads Redis
                 # holds, read again once, never on a copy another replica's releases left behind.
@@ -484,22 +492,6 @@ class Router:
         self._sessions.move_to_end(session)
         if len(self._sessions) > SESSIONS_REMEMBERED:
             self._sessions.popitem(last=False)
-
-    def _admitted_columns(self, model: str, ids: list[str], prefill: list[int], decode: list[int],
-                          roster) -> list[int]:
-        """`_admitted` on the lean decision's columns: the indexes of the workers under both
-        busy thresholds; Busy when none is."""
-        admission = self.settings.admission
-        busy_prefill, busy_decode = admission.busy_prefill_tokens, admission.busy_decode_pages
-        if not busy_prefill and not busy_decode:
-            return list(range(len(ids)))
-        under = [i for i, w in enumerate(ids)
-                 if not (busy_prefill and prefill[i] * max(roster.live[w][0], 1) >= busy_prefill)
-                 and not (busy_decode and decode[i] >= busy_decode)]
-        if not under:
-            raise Busy(f"every worker of model {model!r} is at its busy threshold (booked prefill >= "
-                       f"{busy_prefill} tokens or decode >= {busy_decode} pages)")
-        return under
 
     async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
                                 u: float, started: float, exclude: frozenset[str] = frozenset()) -> Outcome:
