@@ -222,13 +222,17 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
                             "pages_checked": 2, "pages_missing": 0, "recent_pages_missing": 0,
                             "recent_pages_window": 2, "ok": False}],
             "open_circuits": [{"model": "m", "worker_id": "w3", "failures": 3, "reopens_in_s": 4.5}],
-            "queue": {"depth": 2, "peak": 7, "size": 256, "timeout_s": 10.0}}
+            "queue": {"depth": 2, "peak": 7, "size": 256, "timeout_s": 10.0},
+            "processes": [{"index": 1, "pid": 4242, "status": "ok", "decisions": 9, "in_flight": 1,
+                           "queue_depth": 0, "indexes_ready": True}]}
     raw = msgspec.json.encode(body)
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw
     assert health.hash_scheme.mismatched_workers[0].kinds == {"hash_scheme": 3}
     assert judge._router_page_size(views.RouterView(url="r", reachable=True, healthz=health)) == (True, None)
     assert decode_router_health(b'{"status": "ok"}').page_size is msgspec.UNSET
+    # A router from before --processes wrote no "processes": it reads as one process.
+    assert decode_router_health(b'{"status": "ok"}').processes == []
 
 
 def test_router_metrics_are_parsed():
