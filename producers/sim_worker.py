@@ -220,6 +220,7 @@ class SimWorkers:
         self._wall = time.monotonic()  # when self._now was last moved: untimed requests advance from it
         self._latest_served = [float("-inf")] * config.ranks  # per rank: the latest request time served
         self.tokenizer = ModelTokenizer.load(config.tokenizer) if config.tokenizer else None
+        self.tokenized_prompts = 0
 
     def _tick(self, now: float | None) -> float:
         """The simulated time of a request: its own `now`, or, without one, the clock moved on
@@ -289,6 +290,8 @@ class SimWorkers:
                 return _openai_error(400, str(exc))
         else:
             tokens = tokenizer.encode_prompt(body.prompt)  # type: ignore[arg-type]  # str here
+        if not (isinstance(body, CompletionRequest) and isinstance(body.prompt, list)):
+            self.tokenized_prompts += 1
         budget = body.output_budget or 16
         async with self._lock:
             now = self._tick(None)
@@ -371,7 +374,8 @@ class SimWorkers:
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response(SimHealth(ranks=len(self.sims), now=self._now,
-                                       l3_pages=len(self.pool) if self.pool is not None else None))
+                                       l3_pages=len(self.pool) if self.pool is not None else None,
+                                       tokenized_prompts=self.tokenized_prompts))
 
     async def health(self, request: web.Request) -> web.Response:
         rank = request.match_info.get("rank")

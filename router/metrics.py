@@ -128,6 +128,10 @@ class RouterMetrics:
                                            "Proxied chats routed on their text without a tokenization check: "
                                            "parts the router cannot tokenize as the engine does (images, audio)",
                                            ["model"], registry=r)
+        self.token_ids_handed_over = Counter("router_token_ids_handed_over",
+                                             "Proxied text completions sent to the engine as the router's token "
+                                             "ids (--hand-over-token-ids), so the engine did not tokenize them again",
+                                             ["model"], registry=r)
         self.stored_page_checks = Counter("router_stored_page_checks",
                                           "Proxied text requests whose worker was asked, seconds later, for the "
                                           "request's last full page under the router's hash, by outcome (found, "

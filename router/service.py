@@ -45,6 +45,7 @@ from kvtier.schemas.openai import (
     OpenAIError,
     OpenAIErrorBody,
     Usage,
+    completion_with_prompt_ids,
     reported_usage,
 )
 from kvtier.schemas.router_health import (
@@ -139,6 +140,9 @@ class ServiceSettings:
     #: the most each model's tokenizer keeps of pieces seen before (bytes; 0: none), so a
     #: conversation's next turn encodes only its new text (kvtier/plumbing/piece_cache.py)
     tokenizer_cache_bytes: int = 256 << 20
+    #: a text completion (/v1/completions) goes to the engine as the router's token ids, so the
+    #: engine does not tokenize it again; the ids are then the engine's by construction
+    hand_over_token_ids: bool = False
     #: the router's --router-mode, the `mode` label of the proxy's latency histograms
     routing_mode: str = "kv"
     #: seconds after a proxied text request to check its worker stored its last page under the
@@ -593,6 +597,11 @@ class RouterService:
             size = len(body.prompt.encode("utf-8", "surrogatepass"))
             self._check_prompt_bytes(size, "prompt")
             tokens, tokenized = await self._off_loop(tokenizer.encode_prompt, body.prompt, size), True
+            if self.settings.hand_over_token_ids:
+                handed = completion_with_prompt_ids(raw, tokens)
+                if handed is not None:
+                    raw = handed
+                    self.metrics.token_ids_handed_over.labels(model).inc()
         self._check_tokens(len(tokens), "prompt")
         route = RouteRequest(model=model, token_ids=tokens, request_id=_proxy_booking_id(),
                              max_new_tokens=body.output_budget)

@@ -390,6 +390,23 @@ def decode_completion_request(body: bytes) -> CompletionRequest:
     return guarded(_completion_decoder.decode, body)
 
 
+_body_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_FALSE = (b"false", b"null")
+
+
+def completion_with_prompt_ids(body: bytes, ids: list[int]) -> bytes | None:
+    """The completion request `body` (already decoded as a CompletionRequest) with its text
+    prompt replaced by `ids`, every other field as the client sent it; None when the answer
+    would show the difference: `echo` returns the prompt, and the engine would write back the
+    text of the ids rather than the client's own."""
+    fields = guarded(_body_fields.decode, body)
+    echo = fields.get("echo")
+    if echo is not None and bytes(echo).strip() not in _FALSE:
+        return None
+    fields["prompt"] = msgspec.Raw(_json.encode(ids))
+    return _json.encode(fields)
+
+
 class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
     """What any OpenAI response, a whole body or one streamed chunk, says the engine counted."""
 

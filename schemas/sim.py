@@ -52,3 +52,6 @@ class SimHealth(msgspec.Struct, kw_only=True):
     now: float
     #: Pages in the ranks' shared L3 pool; None without --l3.
     l3_pages: int | None
+    #: Text prompts and chats this sim-worker tokenized itself (prompts given as token ids are
+    #: not), so a test sees whether a router handed its ids over.
+    tokenized_prompts: int = 0

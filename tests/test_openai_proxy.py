@@ -158,6 +158,53 @@ def test_streaming_and_plain_completions_with_text_and_token_ids(stack):
     wait_until(lambda: not stack.client.hgetall(f"kvt:{{{MODEL.replace('/', '_')}}}:load:decode"), timeout=10)
 
 
+def test_a_completion_handed_over_keeps_every_field_but_the_prompt():
+    from kvtier.schemas.openai import completion_with_prompt_ids
+
+    body = b'{"model": "m", "prompt": "hi \\u00e9", "max_tokens": 3, "echo": false, "x_vendor": {"k": [1, 2]}}'
+    assert json.loads(completion_with_prompt_ids(body, [7, 8])) == {
+        "model": "m", "prompt": [7, 8], "max_tokens": 3, "echo": False, "x_vendor": {"k": [1, 2]}}
+    assert completion_with_prompt_ids(b'{"prompt": "hi", "echo": true}', [7]) is None
+    assert json.loads(completion_with_prompt_ids(b'{"prompt": "hi", "echo": null}', [7]))["prompt"] == [7]
+
+
+def _tokenized_by_workers(stack) -> int:
+    """Prompts the sim-workers tokenized themselves (not given as ids), all of them together."""
+    return sum(http("GET", url.split("/w/")[0] + "/healthz")[1]["tokenized_prompts"] for url in stack.workers.values())
+
+
+def test_a_router_handing_over_its_token_ids_gets_the_engines_own_answer(stack, tokenizer_dir):
+    """--hand-over-token-ids: a text completion reaches the engine as the router's ids, and the
+    engine answers as it does to the text (same text, same usage; its pages under the same
+    hashes, so the next request finds them cached); the engine tokenized nothing. A completion
+    with echo goes as text (the engine would echo the ids' text, not the client's)."""
+    handing = RouterProcess(stack.redis_url, "--proxy", "--tokenizer", f"{MODEL}={tokenizer_dir}",
+                            "--hand-over-token-ids", "--max-request-tokens", "2000")
+    try:
+        client = openai.OpenAI(base_url=handing.url + "/v1", api_key="unused", max_retries=0)
+        prompt = " ".join(f"w{i}" for i in range(200, 300)) + " tell me more"
+        expected = ModelTokenizer.load(tokenizer_dir).encode_prompt(prompt)
+        as_text = stack.openai(0).completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+        before = _tokenized_by_workers(stack)
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        as_ids = raw.parse()
+        assert _tokenized_by_workers(stack) == before  # the engine used the router's ids
+        assert as_ids.choices[0].text == as_text.choices[0].text
+        assert as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(expected)
+        # the first request's pages, stored by the engine from its own tokenization, are the ids'
+        assert as_ids.usage.prompt_tokens_details.cached_tokens == len(expected) // PAGE * PAGE
+        streamed = list(client.completions.create(model=MODEL, prompt=prompt + " again", max_tokens=2, stream=True,
+                                                  stream_options={"include_usage": True}))
+        assert streamed[-1].usage.prompt_tokens == len(expected) + 1
+        assert _tokenized_by_workers(stack) == before
+        echoed = client.completions.create(model=MODEL, prompt="hello there", max_tokens=1, echo=True)
+        assert echoed.usage.prompt_tokens == 3 and _tokenized_by_workers(stack) == before + 1
+        assert _sample(handing.metrics(), "router_token_ids_handed_over_total", model=MODEL) == 2
+        assert _sample(handing.metrics(), "router_tokenizer_checks_total", outcome="mismatch") == 0
+    finally:
+        handing.stop()
+
+
 def test_bad_requests_get_openai_shaped_4xx(stack):
     client = stack.openai(0)
     with pytest.raises(openai.NotFoundError) as unknown:

@@ -145,6 +145,10 @@ def register(sub) -> None:
                    help="Per model, the ids of text pieces seen before (between the special tokens a chat "
                         "template writes) kept for the next request: a conversation's next turn encodes only "
                         "its new text (0: encode every prompt whole).")
+    r.add_argument("--hand-over-token-ids", action="store_true",
+                   help="With --proxy: send a text completion (/v1/completions) to the engine as the router's token "
+                        "ids, so the engine does not tokenize it again (SGLang takes a prompt of ids as it is). Chats "
+                        "go as they came (the OpenAI chat API takes no ids), and so does a completion with echo.")
     r.add_argument("--processes", type=positive_int, default=1,
                    help="Serve the port from this many processes (SO_REUSEPORT; each its own index and "
                         "copies, kept consistent by Redis as replicas are): one replica on as many cores. "
@@ -214,6 +218,7 @@ async def _run_router(args, stop) -> None:
                                 proxy=args.proxy, default_model=args.model, auth_token=_auth_token(args),
                                 tokenizers=dict(args.tokenizer),
                                 tokenizer_cache_bytes=int(args.tokenizer_cache_mb * (1 << 20)),
+                                hand_over_token_ids=args.hand_over_token_ids,
                                 protect_metrics=args.protect_metrics, max_new_tokens=args.max_new_tokens,
                                 max_prompt_bytes=args.max_prompt_bytes,
                                 upstream_connections_per_worker=args.upstream_connections_per_worker,
