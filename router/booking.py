@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.plumbing.lua_scripts import load_lua
+from kvtier.plumbing.multiplexed import MultiplexedRedis
 from kvtier.schemas.routing import ReleaseStage
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
@@ -67,7 +68,10 @@ def _now_ms() -> int:
 
 class LoadBook:
     def __init__(self, client, booking_ttl_s: float = 600.0):
-        """`client`: a redis.asyncio client."""
+        """`client`: a redis.asyncio client. The two scripts of every decision (book_checked,
+        release) go over one connection shared by all of them where its transport allows
+        (kvtier/plumbing/multiplexed.py); everything else through `client`."""
+        self._shared = MultiplexedRedis.for_client(client)
         self._select = client.register_script(_COMMON + load_lua("kvtier.router", "select_and_book.lua"))
         self._checked = client.register_script(_COMMON + load_lua("kvtier.router", "book_checked.lua"))
         self._release = client.register_script(_COMMON + load_lua("kvtier.router", "release.lua"))
@@ -106,13 +110,14 @@ class LoadBook:
         Redis holds (book_checked.lua says what each argument is checked against). `change`:
         the change number the overlaps were read at (None: not checked)."""
         session_key = keys.session(session_id) if session_id else keys.base
-        raw = await self._checked(
-            keys=[keys.prefill_load, keys.decode_load, keys.bookings, keys.leases, keys.stale_workers,
-                  keys.incarnation, keys.changes_counter, keys.load_version, session_key],
-            args=[keys.base, _now_ms(), self.ttl_ms, request_id, worker_id, prefill_pages, decode_pages,
-                  -1 if load_version is None else load_version, "" if change is None else change, lease_count,
-                  stale_count, marker_id,
-                  1 if book else 0, session_ttl_ms if session_id else 0, 1 if leave_session else 0])
+        raw = await self._run(
+            self._checked,
+            [keys.prefill_load, keys.decode_load, keys.bookings, keys.leases, keys.stale_workers,
+             keys.incarnation, keys.changes_counter, keys.load_version, session_key],
+            [keys.base, _now_ms(), self.ttl_ms, request_id, worker_id, prefill_pages, decode_pages,
+             -1 if load_version is None else load_version, "" if change is None else change, lease_count,
+             stale_count, marker_id, 1 if book else 0, session_ttl_ms if session_id else 0,
+             1 if leave_session else 0])
         outcome = Checked(int(raw[0]))
         if outcome is Checked.BOOKED:
             return CheckedBooking(outcome, load_version=int(raw[1]), worker_id=as_text(raw[2] or b""))
@@ -124,9 +129,18 @@ class LoadBook:
 
     async def release(self, model: str, request_id: str, stage: ReleaseStage) -> Released:
         keys = ModelKeys.for_model(model)
-        raw = await self._release(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
-                                  args=[keys.base, request_id, stage.value, _now_ms(), 32])
+        raw = await self._run(self._release, [keys.prefill_load, keys.decode_load, keys.bookings],
+                              [keys.base, request_id, stage.value, _now_ms(), 32])
         return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0))
+
+    async def _run(self, script, keys: list, args: list):
+        if self._shared is None:
+            return await script(keys=keys, args=args)
+        return await self._shared.run_script(script.sha, script.script, keys, args)
+
+    async def close(self) -> None:
+        if self._shared is not None:
+            await self._shared.close()
 
     async def reconcile(self, model: str) -> bool:
         """Recompute the model's booked loads from its live bookings; True if they had drifted

@@ -733,9 +733,11 @@ class Router:
                                prefill_pages=released.prefill_pages, decode_pages=released.decode_pages)
 
     async def close(self) -> None:
-        """Stop the index followers (the Redis client is the caller's)."""
+        """Stop the index followers and the bookings' own connection (the Redis client is the
+        caller's)."""
         if self.mirror is not None:
             await self.mirror.close()
+        await self.book.close()
 
     async def start_indexes(self, quiet: bool = False) -> None:
         """Begin building the index of every model the store knows (at start, before the first

@@ -33,6 +33,11 @@ def full_reads(router: Router) -> float:
                if s.name.endswith("_total"))
 
 
+def full_read_reasons(router: Router) -> dict[str, float]:
+    return {s.labels["reason"]: s.value for metric in router.metrics.full_reads.collect() for s in metric.samples
+            if s.name.endswith("_total") and s.value}
+
+
 async def ready(router: Router, model: str = MODEL) -> None:
     index = router.mirror.model(ModelKeys.for_model(model).model_token)
     deadline = time.monotonic() + 20
@@ -126,7 +131,8 @@ def test_the_answer_matches_the_walk_after_every_booking(redis_client, redis_ser
 def test_concurrent_replicas_book_exactly_and_spread_evenly(redis_client, redis_server):
     """Two replicas, 200 decisions at once on four cold workers: every decision sees every
     booking before it, so the spread is exactly even; then every release at once from either
-    replica leaves nothing booked in Redis and each replica's copy equal to Redis."""
+    replica leaves nothing booked in Redis and each replica's copy (where it still has one)
+    equal to Redis."""
     seeder = StateSeeder(redis_client, MODEL)
     for w in ("w0", "w1", "w2", "w3"):
         seeder.worker(w, PAGE)
@@ -150,8 +156,13 @@ def test_concurrent_replicas_book_exactly_and_spread_evenly(redis_client, redis_
             assert redis_client.zcard(ModelKeys.for_model(MODEL).bookings) == 0
             for r in replicas:
                 copy = r.rosters.models[MODEL].roster
-                assert copy.load_version is None or (copy.prefill, copy.decode) == ({}, {})
-            assert all(full_reads(r) == 0 for r in replicas), [full_reads(r) for r in replicas]
+                assert copy is None or copy.load_version is None or (copy.prefill, copy.decode) == ({}, {})
+            # Most decisions are lean; a replica that lost the compare-and-set LEAN_ATTEMPTS times
+            # in a row to the other one's bookings (a loaded machine makes it likely) chose with
+            # the full read instead, which books atomically in Redis: the spread above holds either way.
+            reasons = [full_read_reasons(r) for r in replicas]
+            assert sum(map(full_reads, replicas)) < 100 and all(set(r) <= {"state_kept_moving"} for r in reasons), \
+                reasons
         finally:
             for r in replicas:
                 await r.close()
