@@ -81,17 +81,36 @@ def register(sub) -> None:
     route.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
     add_common(route)
     px = bench_sub.add_parser(
-        "proxy", help="What the OpenAI-compatible proxy adds to TTFT (8k-token prompts), and requests/s per "
-                      "replica, against requests straight to the same workers in the same run.",
+        "proxy", help="What the OpenAI-compatible proxy adds to TTFT (fresh 8k-token prompts, multi-turn chats, a "
+                      "shared system prompt; DeepSeek-V4's tokenizer), and requests/s per replica, against requests "
+                      "straight to the same workers in the same run.",
         description="sim-workers, bridges, NATS, a processor, Redis and router replicas with --proxy as processes "
-                    "on embedded loopback servers; request pairs (one direct, one through a router) alternate, "
-                    "so the added latency is measured pair by pair.",
+                    "on embedded loopback servers; per workload, request pairs (one direct, one through a router, "
+                    "twins of the same size) alternate, so the added latency is measured pair by pair.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    px.add_argument("--prompt-tokens", type=positive_int, default=8192, help="Tokens per prompt (BOS included).")
-    px.add_argument("--requests", type=positive_int, default=200, help="Measured request pairs.")
-    px.add_argument("--warm-up", type=int, default=20, help="Unmeasured request pairs first.")
+    px.add_argument("--workloads", default="fresh,multi_turn,shared_system",
+                    help="Comma-separated, measured in this order: fresh (a new text prompt each), multi_turn "
+                         "(chats growing a turn at a time), shared_system (one system prompt, a new question each).")
+    px.add_argument("--prompt-tokens", type=positive_int, default=8192,
+                    help="Tokens per fresh prompt, and per prompt of the rate phase.")
+    px.add_argument("--conversations", type=positive_int, default=32, help="multi_turn: chats taken in turn.")
+    px.add_argument("--turn-tokens", type=positive_int, default=200,
+                    help="multi_turn: tokens of each new user turn and of a chat's system prompt (an answer: a "
+                         "quarter of it).")
+    px.add_argument("--conversation-tokens", type=positive_int, default=8192,
+                    help="multi_turn: a chat that would grow past this starts again with a new system prompt.")
+    px.add_argument("--system-tokens", type=positive_int, default=4096,
+                    help="shared_system: tokens of the system prompt every request shares.")
+    px.add_argument("--question-tokens", type=positive_int, default=1024,
+                    help="shared_system: tokens of each request's new user question.")
+    px.add_argument("--requests", type=positive_int, default=200, help="Measured request pairs per workload.")
+    px.add_argument("--warm-up", type=int, default=20,
+                    help="Unmeasured request pairs first, per workload (multi_turn: at least one per chat).")
     px.add_argument("--workers", type=positive_int, default=2, help="sim-worker processes.")
     px.add_argument("--replicas", type=positive_int, default=1, help="Router replicas.")
+    px.add_argument("--hand-over-token-ids", action="store_true",
+                    help="Start the routers with --hand-over-token-ids (text completions reach the engine as the "
+                         "router's token ids).")
     px.add_argument("--concurrency", type=positive_int, default=8, help="Concurrent clients in the rate phase.")
     px.add_argument("--seconds", type=positive_float, default=5.0, help="Length of each rate measurement.")
     px.add_argument("--seed", type=int, default=1)
