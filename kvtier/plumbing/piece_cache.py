@@ -5,7 +5,8 @@ never see across an added token. So a text's ids are its pieces' ids in order, a
 seen before (a conversation's earlier turns, a shared system prompt) need not be encoded
 again. `PieceCache` cuts a text as the library does, keeps each piece's ids (an LRU bounded
 by bytes), and encodes only the new pieces, together, in one batch (which the library runs on
-several threads).
+several threads). A long new piece is itself cut into parts encoded in that batch, where that
+is provably exact (kvtier/plumbing/parallel_encode.py); its kept ids are the same either way.
 
 Exact where the library's cut is exactly this one (`PieceCache.for_tokenizer` returns None
 otherwise, and the text is encoded whole):
@@ -28,6 +29,8 @@ import json
 import re
 import threading
 from typing import Any
+
+from .parallel_encode import ParallelEncoder, special_additions, whole_ids
 
 #: Pieces shorter than this are encoded every time: looking them up costs about as much.
 MIN_CACHED_CHARS = 32
@@ -74,8 +77,10 @@ class _Trie:
 class PieceCache:
     def __init__(self, tokenizer: Any, added: dict[str, int], unnormalized: list[str], normalized: list[str],
                  max_bytes: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = (),
-                 special_checked: bool = False):
+                 special_checked: bool = False, parallel: ParallelEncoder | None = None):
         self._tokenizer = tokenizer
+        #: Encodes a batch of new pieces, long ones in parts; None: each piece whole.
+        self.parallel = parallel
         self._added = added  # content -> id
         self._first = _Trie(unnormalized)
         self._second = _Trie(normalized)
@@ -88,9 +93,12 @@ class PieceCache:
         self.hits = self.misses = 0
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, tokenizer_json: str, max_bytes: int) -> PieceCache | None:
+    def for_tokenizer(cls, tokenizer: Any, tokenizer_json: str, max_bytes: int,
+                      parts: int | None = None) -> PieceCache | None:
         """A cache for `tokenizer` (a `tokenizers.Tokenizer`) read from `tokenizer_json` (its
-        file's text), or None when pieces cannot be proved to encode as the whole does."""
+        file's text), or None when pieces cannot be proved to encode as the whole does.
+        `parts`: the most parts a long piece is encoded in at once (ParallelEncoder's default
+        when None; 1: never cut)."""
         if max_bytes <= 0:
             return None
         spec = json.loads(tokenizer_json)
@@ -103,23 +111,18 @@ class PieceCache:
         added = {t["content"]: int(t["id"]) for t in added_tokens if t.get("content")}
         unnormalized = [t["content"] for t in added_tokens if t.get("content") and not t.get("normalized")]
         normalized = [t["content"] for t in added_tokens if t.get("content") and t.get("normalized")]
-        cache = cls(tokenizer, added, unnormalized, normalized, max_bytes)
-        # What the post-processor adds around a text (a BOS, an EOS), probed and checked on texts
-        # unlike each other; a tokenizer whose additions vary with the text is encoded whole.
-        probes = ["x", "Hello, world!\n", " 12 ü"]
-        plain = [cache._whole(p, False) for p in probes]
-        full = [cache._whole(p, True) for p in probes]
-        first_plain, first_full = plain[0], full[0]
-        cut = next((i for i in range(len(first_full) - len(first_plain) + 1)
-                    if first_full[i:i + len(first_plain)] == first_plain), None)
-        if cut is not None:
-            prefix, suffix = first_full[:cut], first_full[cut + len(first_plain):]
-            if all(f == prefix + p + suffix for p, f in zip(plain, full)):
-                cache._prefix, cache._suffix, cache._special_checked = prefix, suffix, True
+        cache = cls(tokenizer, added, unnormalized, normalized, max_bytes,
+                    parallel=ParallelEncoder.for_tokenizer(tokenizer, spec, parts))
+        # What the post-processor adds around a text; one whose additions vary with the text is
+        # encoded whole.
+        found = special_additions(tokenizer)
+        if found is not None:
+            cache._prefix, cache._suffix = found
+            cache._special_checked = True
         return cache
 
     def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+        return whole_ids(self._tokenizer, text, add_special_tokens)
 
     def pieces(self, text: str) -> list[tuple[str, bool]]:
         """The text cut as the library cuts it: (piece, is an added token), in order."""
@@ -163,7 +166,7 @@ class PieceCache:
                 found.append(ids)
         short = [p for (p, is_added), ids in zip(pieces, found) if ids is None and not is_added and p not in new]
         batch = list(new) + short
-        encoded = dict(zip(batch, (e.ids for e in self._tokenizer.encode_batch_fast(batch, add_special_tokens=False))))
+        encoded = dict(zip(batch, self._encode_new(batch)))
         if new:
             self._keep({piece: encoded[piece] for piece in new})
         out: list[int] = list(self._prefix) if add_special_tokens else []
@@ -177,6 +180,11 @@ class PieceCache:
         if add_special_tokens:
             out.extend(self._suffix)
         return out
+
+    def _encode_new(self, batch: list[str]) -> list[list[int]]:
+        if self.parallel is not None:
+            return self.parallel.encode_plain(batch)
+        return [e.ids for e in self._tokenizer.encode_batch_fast(batch, add_special_tokens=False)]
 
     def _keep(self, pieces: dict[str, list[int]]) -> None:
         with self._lock:

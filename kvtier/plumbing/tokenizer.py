@@ -51,6 +51,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .parallel_encode import ParallelEncoder, whole_ids
 from .piece_cache import PieceCache
 
 if TYPE_CHECKING:
@@ -125,10 +126,15 @@ class ModelTokenizer:
     _content_format: str = "string"
     #: The ids of pieces seen before (kvtier/plumbing/piece_cache.py); None: every text encoded whole.
     _pieces: PieceCache | None = None
+    #: Encodes a long text in parts at once where provably exact (kvtier/plumbing/parallel_encode.py);
+    #: the piece cache's own when there is one. None: every text encoded in one go.
+    _parallel: ParallelEncoder | None = None
 
     @classmethod
-    def load(cls, path: str | Path, cache_bytes: int = 0) -> ModelTokenizer:
-        """`cache_bytes`: the most the ids of pieces seen before may hold (0: no cache)."""
+    def load(cls, path: str | Path, cache_bytes: int = 0, encode_parts: int | None = None) -> ModelTokenizer:
+        """`cache_bytes`: the most the ids of pieces seen before may hold (0: no cache).
+        `encode_parts`: the most parts a long text is encoded in at once (None: as many as the
+        cores, up to 4; 1: never cut)."""
         folder = Path(path).expanduser()
         if folder.is_file():
             folder = folder.parent
@@ -163,8 +169,10 @@ class ModelTokenizer:
         if isinstance(template_text, str):
             template = _compile(template_text, config_file)
             content_format = _content_format(template, template_text)
-        pieces = PieceCache.for_tokenizer(tokenizer, tokenizer_text, cache_bytes) if cache_bytes else None
-        return cls(str(folder), tokenizer, template, special, content_format, pieces)
+        pieces = PieceCache.for_tokenizer(tokenizer, tokenizer_text, cache_bytes, encode_parts) if cache_bytes else None
+        parallel = pieces.parallel if pieces is not None else \
+            ParallelEncoder.for_tokenizer(tokenizer, tokenizer_text, encode_parts)
+        return cls(str(folder), tokenizer, template, special, content_format, pieces, parallel)
 
     @property
     def has_chat_template(self) -> bool:
@@ -177,11 +185,16 @@ class ModelTokenizer:
     def piece_cache(self) -> PieceCache | None:
         return self._pieces
 
+    @property
+    def parallel_encoder(self) -> ParallelEncoder | None:
+        return self._parallel
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._pieces is not None:
             return self._pieces.encode(text, add_special_tokens)
-        # The ids without the character offsets `encode` also tracks: half the time, the same ids.
-        return list(self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+        if self._parallel is not None:
+            return self._parallel.encode(text, add_special_tokens)
+        return whole_ids(self._tokenizer, text, add_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                     template_kwargs: Mapping[str, Any] | None = None) -> str:
