@@ -219,7 +219,8 @@ class SimWorkers:
         self._now = 0.0
         self._wall = time.monotonic()  # when self._now was last moved: untimed requests advance from it
         self._latest_served = [float("-inf")] * config.ranks  # per rank: the latest request time served
-        self.tokenizer = ModelTokenizer.load(config.tokenizer) if config.tokenizer else None
+        # As an engine tokenizes: each prompt whole, in one encode (no piece cache, no parts).
+        self.tokenizer = ModelTokenizer.load(config.tokenizer, encode_parts=1) if config.tokenizer else None
         self.tokenized_prompts = 0
 
     def _tick(self, now: float | None) -> float:
