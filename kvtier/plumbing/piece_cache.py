@@ -1,12 +1,14 @@
-"""Tokenizing once what a conversation repeats. A Hugging Face tokenizer cuts a text at its
-added tokens (the special tokens a chat template writes around every turn) before anything
-else, and encodes the pieces between them apart: normalizing, pre-tokenizing and the model
-never see across an added token. So a text's ids are its pieces' ids in order, and a piece
-seen before (a conversation's earlier turns, a shared system prompt) need not be encoded
-again. `PieceCache` cuts a text as the library does, keeps each piece's ids (an LRU bounded
-by bytes), and encodes only the new pieces, together, in one batch (which the library runs on
-several threads). A long new piece is itself cut into parts encoded in that batch, where that
-is provably exact (kvtier/plumbing/parallel_encode.py); its kept ids are the same either way.
+"""Tokenizing once what a conversation repeats. A Hugging Face tokenizer cuts a text at its added
+tokens (the special tokens a chat template writes around every turn) before anything else, and
+encodes the pieces between them apart: normalizing, pre-tokenizing and the model never see
+across an added token. So a text's ids are its pieces' ids in order, and a piece seen before (a
+conversation's earlier turns, a shared system prompt) need not be encoded again. `PieceCache`
+cuts a text as the library does, keeps each piece's ids (an LRU bounded by bytes), and encodes
+only the new pieces, together, in one batch (which the library runs on several threads). The
+library cuts in two passes (below); a segment of the first pass is kept whole too, so a chat's
+earlier turns are found in one lookup each, not cut again. A long new piece is itself cut into
+parts encoded in that batch, where that is provably exact (kvtier/plumbing/parallel_encode.py);
+its kept ids are the same either way.
 
 Exact where the library's cut is exactly this one (`PieceCache.for_tokenizer` returns None
 otherwise, and the text is encoded whole):
@@ -124,61 +126,105 @@ class PieceCache:
     def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
         return whole_ids(self._tokenizer, text, add_special_tokens)
 
-    def pieces(self, text: str) -> list[tuple[str, bool]]:
-        """The text cut as the library cuts it: (piece, is an added token), in order."""
+    def segments(self, text: str) -> list[tuple[str, bool]]:
+        """The library's first cut, at the added tokens not `normalized`: (segment, is such a
+        token), in order. A segment's ids depend on it alone, whatever else it holds."""
         out: list[tuple[str, bool]] = []
         pos = 0
         for begin, end in self._first.spans(text):
-            self._cut_second(text, pos, begin, out)
-            out.append((text[begin:end], True))
-            pos = end
-        self._cut_second(text, pos, len(text), out)
-        return out
-
-    def _cut_second(self, text: str, start: int, end: int, out: list[tuple[str, bool]]) -> None:
-        pos = start
-        for begin, stop in self._second.spans(text, start, end):
             if begin > pos:
                 out.append((text[pos:begin], False))
-            out.append((text[begin:stop], True))
+            out.append((text[begin:end], True))
+            pos = end
+        if len(text) > pos:
+            out.append((text[pos:], False))
+        return out
+
+    def pieces(self, text: str) -> list[tuple[str, bool]]:
+        """The text cut as the library cuts it: (piece, is an added token), in order."""
+        out: list[tuple[str, bool]] = []
+        for segment, is_added in self.segments(text):
+            if is_added:
+                out.append((segment, True))
+            else:
+                self._cut_second(segment, out)
+        return out
+
+    def _cut_second(self, segment: str, out: list[tuple[str, bool]]) -> None:
+        pos = 0
+        for begin, stop in self._second.spans(segment):
+            if begin > pos:
+                out.append((segment[pos:begin], False))
+            out.append((segment[begin:stop], True))
             pos = stop
-        if end > pos:
-            out.append((text[pos:end], False))
+        if len(segment) > pos:
+            out.append((segment[pos:], False))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if add_special_tokens and not self._special_checked:
             return self._whole(text, True)
-        pieces = self.pieces(text)
-        found: list[array.array | None] = []
-        new: dict[str, None] = {}
+        # A segment seen before (a chat's earlier turns, between the tokens that close them) is
+        # looked up whole; only the others are cut at the `normalized` tokens, piece by piece.
+        segments = self.segments(text)
+        known: list[array.array | None] = []
         with self._lock:
-            for piece, is_added in pieces:
-                if is_added or len(piece) < MIN_CACHED_CHARS:
-                    found.append(None)
-                    continue
-                ids = self._pieces.get(piece)
+            for segment, is_added in segments:
+                ids = None if is_added or len(segment) < MIN_CACHED_CHARS else self._pieces.get(segment)
                 if ids is not None:
-                    self._pieces.move_to_end(piece)
+                    self._pieces.move_to_end(segment)
                     self.hits += 1
-                else:
-                    new[piece] = None
-                    self.misses += 1
-                found.append(ids)
-        short = [p for (p, is_added), ids in zip(pieces, found) if ids is None and not is_added and p not in new]
-        batch = list(new) + short
-        encoded = dict(zip(batch, self._encode_new(batch)))
-        if new:
-            self._keep({piece: encoded[piece] for piece in new})
+                known.append(ids)
+        unknown = [segment for (segment, is_added), ids in zip(segments, known) if ids is None and not is_added]
+        encoded = self._encode_segments(unknown)
         out: list[int] = list(self._prefix) if add_special_tokens else []
-        for (piece, is_added), ids in zip(pieces, found):
+        for (segment, is_added), ids in zip(segments, known):
             if is_added:
-                out.append(self._added[piece])
-            elif ids is not None:
-                out.extend(ids)
+                out.append(self._added[segment])
             else:
-                out.extend(encoded[piece])
+                out.extend(ids if ids is not None else encoded[segment])
         if add_special_tokens:
             out.extend(self._suffix)
+        return out
+
+    def _encode_segments(self, segments: list[str]) -> dict[str, list[int]]:
+        """The ids of each segment, from its pieces' ids (kept ones looked up, new ones encoded
+        together in one batch); keeps the new pieces, and each segment of several pieces whole."""
+        cut: dict[str, list[tuple[str, bool]]] = {}
+        for segment in segments:
+            if segment not in cut:
+                cut[segment] = []
+                self._cut_second(segment, cut[segment])
+        found: dict[str, array.array | None] = {}
+        new: dict[str, None] = {}
+        with self._lock:
+            for pieces in cut.values():
+                for piece, is_added in pieces:
+                    if is_added or piece in found:
+                        continue
+                    ids = self._pieces.get(piece) if len(piece) >= MIN_CACHED_CHARS else None
+                    if ids is not None:
+                        self._pieces.move_to_end(piece)
+                        self.hits += 1
+                    elif len(piece) >= MIN_CACHED_CHARS:
+                        new[piece] = None
+                        self.misses += 1
+                    found[piece] = ids
+        batch = [piece for piece, ids in found.items() if ids is None]
+        encoded = dict(zip(batch, self._encode_new(batch)))
+        out: dict[str, list[int]] = {}
+        whole: dict[str, list[int]] = {}
+        for segment, pieces in cut.items():
+            ids: list[int] = []
+            for piece, is_added in pieces:
+                if is_added:
+                    ids.append(self._added[piece])
+                else:
+                    kept = found[piece]
+                    ids.extend(kept if kept is not None else encoded[piece])
+            out[segment] = ids
+            if len(pieces) > 1 and len(segment) >= MIN_CACHED_CHARS:
+                whole[segment] = ids
+        self._keep({**{piece: encoded[piece] for piece in new}, **whole})
         return out
 
     def _encode_new(self, batch: list[str]) -> list[list[int]]:
