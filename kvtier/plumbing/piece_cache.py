@@ -201,29 +201,29 @@ class PieceCache:
                 for piece, is_added in pieces:
                     if is_added or piece in found:
                         continue
-                    ids = self._pieces.get(piece) if len(piece) >= MIN_CACHED_CHARS else None
-                    if ids is not None:
+                    kept = self._pieces.get(piece) if len(piece) >= MIN_CACHED_CHARS else None
+                    if kept is not None:
                         self._pieces.move_to_end(piece)
                         self.hits += 1
                     elif len(piece) >= MIN_CACHED_CHARS:
                         new[piece] = None
                         self.misses += 1
-                    found[piece] = ids
+                    found[piece] = kept
         batch = [piece for piece, ids in found.items() if ids is None]
         encoded = dict(zip(batch, self._encode_new(batch)))
         out: dict[str, list[int]] = {}
         whole: dict[str, list[int]] = {}
         for segment, pieces in cut.items():
-            ids: list[int] = []
+            joined: list[int] = []
             for piece, is_added in pieces:
                 if is_added:
-                    ids.append(self._added[piece])
+                    joined.append(self._added[piece])
                 else:
                     kept = found[piece]
-                    ids.extend(kept if kept is not None else encoded[piece])
-            out[segment] = ids
+                    joined.extend(kept if kept is not None else encoded[piece])
+            out[segment] = joined
             if len(pieces) > 1 and len(segment) >= MIN_CACHED_CHARS:
-                whole[segment] = ids
+                whole[segment] = joined
         self._keep({**{piece: encoded[piece] for piece in new}, **whole})
         return out
 
