@@ -3,6 +3,10 @@ sends is encoded from a schemas/ type, every answer it reads is decoded into one
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 import msgspec
 
 from kvtier.schemas.routing import (
@@ -60,3 +64,27 @@ async def generate(session, rank_url: str, body: SimGenerateBody, what: str = "g
 async def advance(session, sim_url: str, now: float) -> None:
     """`POST <sim-worker>/advance`: the simulated clock moves to `now`."""
     await post(session, sim_url + "/advance", AdvanceBody(now=now))
+
+
+async def closed_loop_rate(session, targets: list[str], path: str, body: Callable[[], bytes], concurrency: int,
+                           seconds: float) -> float:
+    """Requests/s of `concurrency` closed-loop clients POSTing `body()` to `path` of `targets`
+    in turn for `seconds`; any answer but 200 raises."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client(k: int) -> None:
+        nonlocal done
+        n = k
+        while time.perf_counter() < deadline:
+            target = targets[n % len(targets)]
+            async with session.post(target + path, data=body(), headers=JSON_HEADERS) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{target} answered {r.status}")
+            done += 1
+            n += concurrency
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    return done / (time.perf_counter() - started)

@@ -37,6 +37,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvtier.bench.clients import closed_loop_rate
+
 MODEL = "bench/overload-model"
 PAGE_SIZE = 64
 OUTCOMES = ("completed", "refused", "rejected", "failed_before_first_byte", "failed_after_first_byte", "lost")
@@ -138,23 +140,7 @@ def _body(prompt: str, max_tokens: int) -> bytes:
 
 async def _capacity(session, workers: list[str], prompts, seconds: float, concurrency: int) -> float:
     """Completed requests/s of a closed loop straight to the workers: the best the cluster can do."""
-    done = 0
-    deadline = time.perf_counter() + seconds
-
-    async def client(k: int) -> None:
-        nonlocal done
-        n = k
-        while time.perf_counter() < deadline:
-            async with session.post(workers[n % len(workers)] + "/v1/completions", data=prompts(),
-                                    headers={"Content-Type": "application/json"}) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{workers[n % len(workers)]} answered {r.status}")
-            done += 1
-            n += concurrency
-    started = time.perf_counter()
-    await asyncio.gather(*(client(k) for k in range(concurrency)))
-    return done / (time.perf_counter() - started)
+    return await closed_loop_rate(session, workers, "/v1/completions", prompts, concurrency, seconds)
 
 
 async def _open_loop(session, balancer, prompts, rate: float, seconds: float, phase: str, tally: Tally,

@@ -61,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvtier.bench.clients import closed_loop_rate
 from kvtier.schemas.openai import reported_usage
 
 if TYPE_CHECKING:
@@ -494,29 +495,6 @@ def _fresh_bodies(texts: list[str]) -> Callable[[], bytes]:
     return body
 
 
-async def _rate(session, targets: list[str], body: Callable[[], bytes], concurrency: int, seconds: float) -> float:
-    """Requests/s of `concurrency` closed-loop clients sending new bodies to `targets` in turn."""
-    done = 0
-    deadline = time.perf_counter() + seconds
-
-    async def client(k: int) -> None:
-        nonlocal done
-        n = k
-        while time.perf_counter() < deadline:
-            target = targets[n % len(targets)]
-            async with session.post(target + COMPLETIONS, data=body(),
-                                    headers={"Content-Type": "application/json"}) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{target} answered {r.status}")
-            done += 1
-            n += concurrency
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client(k) for k in range(concurrency)))
-    return done / (time.perf_counter() - started)
-
-
 async def _measure(workers: list[str], routers: list[str], folder: str, names: list[str], args) -> dict[str, Any]:
     import aiohttp
 
@@ -526,9 +504,10 @@ async def _measure(workers: list[str], routers: list[str], folder: str, names: l
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         measured = {w.name: await _measure_workload(session, w, workers, routers, tokenizer, args) for w in workloads}
         body = _fresh_bodies([rate_prose.text(tokenizer.text_tokens(args.prompt_tokens)) for _ in range(RATE_TEXTS)])
-        direct_rate = await _rate(session, workers, body, args.concurrency, args.seconds)
-        per_replica = [await _rate(session, [router], body, args.concurrency, args.seconds) for router in routers]
-        all_replicas = (await _rate(session, routers, body, args.concurrency, args.seconds)
+        direct_rate = await closed_loop_rate(session, workers, COMPLETIONS, body, args.concurrency, args.seconds)
+        per_replica = [await closed_loop_rate(session, [router], COMPLETIONS, body, args.concurrency, args.seconds)
+                       for router in routers]
+        all_replicas = (await closed_loop_rate(session, routers, COMPLETIONS, body, args.concurrency, args.seconds)
                         if len(routers) > 1 else per_replica[0])
         metrics = await _scrape(session, routers)
     return {
