@@ -14,6 +14,7 @@ import pytest
 KEYS = [
     # in-process, the index (mirror) and the walk in Redis side by side
     "p50_ms", "p99_ms", "decisions_per_s", "redis_cpu_us_per_decision", "redis_process_cpu_us_per_decision",
+    "redis_cpu_us_per_decision_concurrent",
     "redis_ms_per_decision", "hashing_p50_ms", "index_not_ready_decisions",
     "redis_p50_ms", "redis_p99_ms", "redis_decisions_per_s", "redis_redis_cpu_us_per_decision",
     # the in-memory read alone
