@@ -1,6 +1,6 @@
 """The router's shared Redis connection (kvtier/plumbing/multiplexed.py) against a real server:
-many coroutines' commands on one connection each get their own reply, an error reply does not
-shift the others, a script the server lost is sent again whole, a stopped server gives a
+many coroutines' commands on one connection each get their own reply, an error reply or a
+caller that stops waiting does not shift the others, a script the server lost is sent again whole, a stopped server gives a
 TimeoutError and a dead one a ConnectionError (then a fresh connection serves again), a
 password and a database in the URL are used, and transports it does not speak stay with
 redis-py."""
@@ -48,6 +48,22 @@ def test_concurrent_commands_each_get_their_own_reply_and_errors_stay_in_place(s
 
         replies = await asyncio.gather(*(read(i) for i in range(300)))
         assert replies == [None if i % 7 == 0 else f"v{i}".encode() for i in range(300)]
+        await shared.close()
+
+    asyncio.run(go())
+
+
+def test_a_caller_that_stops_waiting_shifts_no_reply(server):
+    async def go():
+        shared = _shared(server.url)
+        await asyncio.gather(*(shared.execute("SET", f"c{i}", f"v{i}") for i in range(40)))
+        tasks = [asyncio.ensure_future(shared.execute("GET", f"c{i}")) for i in range(40)]
+        await asyncio.sleep(0)  # every command is sent; no reply read yet
+        for task in tasks[::3]:
+            task.cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert [d for i, d in enumerate(done) if i % 3] == [f"v{i}".encode() for i in range(40) if i % 3]
+        assert await shared.execute("GET", "c7") == b"v7"
         await shared.close()
 
     asyncio.run(go())

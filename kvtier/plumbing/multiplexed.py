@@ -62,16 +62,27 @@ class MultiplexedRedis:
 
     async def execute(self, *args: Any) -> Any:
         """Send one command; its reply (bytes, int, list, ...) or the error it raises."""
-        connection = await self._connected()
+        connection = self._connection
+        if connection is None or not connection.open:
+            connection = await self._connected()
         reply = connection.send(args)
+        # A timer rather than wait_for: no task per command. A caller that stops waiting
+        # cancels its reply, which keeps its place in the queue (its answer is skipped).
+        timer = None
+        if self.timeout_s is not None:
+            timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, connection, reply)
         try:
-            result = await asyncio.wait_for(asyncio.shield(reply), self.timeout_s)
-        except asyncio.TimeoutError:
-            self._drop(connection, redis.exceptions.TimeoutError(f"no reply from Redis in {self.timeout_s} s"))
-            raise redis.exceptions.TimeoutError(f"no reply from Redis in {self.timeout_s} s") from None
+            result = await reply
+        finally:
+            if timer is not None:
+                timer.cancel()
         if isinstance(result, redis.exceptions.ResponseError):
             raise result
         return result
+
+    def _expire(self, connection: _Connection, reply: asyncio.Future) -> None:
+        if not reply.done():
+            self._drop(connection, redis.exceptions.TimeoutError(f"no reply from Redis in {self.timeout_s} s"))
 
     async def run_script(self, sha: str, script: str | bytes, keys: list[Any], args: list[Any]) -> Any:
         """EVALSHA, or EVAL with the script's text when this server has not seen it yet."""
