@@ -1,9 +1,9 @@
 """The router's shared Redis connection (kvtier/plumbing/multiplexed.py) against a real server:
 many coroutines' commands on one connection each get their own reply, an error reply or a
-caller that stops waiting does not shift the others, a script the server lost is sent again whole, a stopped server gives a
-TimeoutError and a dead one a ConnectionError (then a fresh connection serves again), a
-password and a database in the URL are used, and transports it does not speak stay with
-redis-py."""
+caller that stops waiting does not shift the others, a script the server lost is sent again
+whole, a stopped server gives a TimeoutError and a dead one a ConnectionError (then a fresh
+connection serves again), a password and a database in the URL are used, and transports it does
+not speak stay with redis-py."""
 
 from __future__ import annotations
 
