@@ -100,12 +100,24 @@ def default_parts() -> int:
     return max(1, min(MAX_DEFAULT_PARTS, cores))
 
 
-def why_serial(spec: Mapping[str, Any]) -> str | None:
-    """Why a tokenizer (its tokenizer.json, parsed) must encode a text whole; None when the
-    module's argument holds for it."""
+def why_not_cut_at_added_tokens(spec: Mapping[str, Any]) -> str | None:
+    """Why a tokenizer (its tokenizer.json, parsed) might not encode the text between its added
+    tokens apart, as it is: a normalizer, or an added token that strips the whitespace beside it
+    or matches whole words only (both look past the token). None when it does."""
     normalizer = spec.get("normalizer")
     if normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
         return "a normalizer"
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in spec.get("added_tokens") or []):
+        return "an added token that strips whitespace or matches whole words only"
+    return None
+
+
+def why_serial(spec: Mapping[str, Any]) -> str | None:
+    """Why a tokenizer (its tokenizer.json, parsed) must encode a text whole; None when the
+    module's argument holds for it."""
+    why = why_not_cut_at_added_tokens(spec)
+    if why is not None:
+        return why
     if spec.get("truncation") is not None or spec.get("padding") is not None:
         return "truncation or padding"
     model = spec.get("model") or {}
@@ -122,11 +134,8 @@ def why_serial(spec: Mapping[str, Any]) -> str | None:
         posts = list(post.get("processors") or [])
     if any(p.get("type") not in _PLAIN_POST_PROCESSORS for p in posts):
         return "a post-processor not known to leave plain text's ids alone"
-    for token in spec.get("added_tokens") or []:
-        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
-            return "an added token that strips whitespace or matches whole words only"
-        if _CUT.search(token.get("content") or ""):
-            return "an added token holding a newline before a letter"
+    if any(_CUT.search(token.get("content") or "") for token in spec.get("added_tokens") or []):
+        return "an added token holding a newline before a letter"
     return None
 
 

@@ -32,7 +32,7 @@ import re
 import threading
 from typing import Any
 
-from .parallel_encode import ParallelEncoder, special_additions, whole_ids
+from .parallel_encode import ParallelEncoder, special_additions, whole_ids, why_not_cut_at_added_tokens
 
 #: Pieces shorter than this are encoded every time: looking them up costs about as much.
 MIN_CACHED_CHARS = 32
@@ -104,12 +104,9 @@ class PieceCache:
         if max_bytes <= 0:
             return None
         spec = json.loads(tokenizer_json)
-        normalizer = spec.get("normalizer")
-        if normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
+        if why_not_cut_at_added_tokens(spec) is not None:
             return None
         added_tokens = spec.get("added_tokens") or []
-        if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added_tokens):
-            return None
         added = {t["content"]: int(t["id"]) for t in added_tokens if t.get("content")}
         unnormalized = [t["content"] for t in added_tokens if t.get("content") and not t.get("normalized")]
         normalized = [t["content"] for t in added_tokens if t.get("content") and t.get("normalized")]
