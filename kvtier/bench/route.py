@@ -292,8 +292,8 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
             concurrent_spent[source] += (await cost.snapshot_async())[0] - before[0]
         for source, router in routers.items():
             results[source]["decisions_per_s"] = round(len(requests) / elapsed[source])
-            # The same with `concurrency` decisions in flight: the scripts of decisions that
-            # arrive together reach Redis together, and each costs it less than one alone.
+            # The same with `concurrency` decisions in flight, beside the sequential figure: what
+            # Redis pays per decision when a replica is busy.
             results[source]["redis_cpu_us_per_decision_concurrent"] = round(
                 concurrent_spent[source] / len(requests), 1)
             if router.mirror is not None:
