@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypedDict
 import msgspec
 
 from .limits import guarded
-from .routing import TokenId
+from .routing import check_token_ids
 
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -294,10 +294,14 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelName | None = None
     #: Text, or token ids (used as they are: no tokenizer needed).
-    prompt: str | list[TokenId]
+    prompt: str | list[int]  # the ids each a TokenId: checked in __post_init__
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            check_token_ids(self.prompt, "prompt")
 
     @property
     def output_budget(self) -> int:

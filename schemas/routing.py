@@ -5,6 +5,7 @@ name is refused with msgspec's path-precise message (e.g. "at `$.token_ids[3]`")
 
 from __future__ import annotations
 
+import array
 import enum
 from typing import Annotated
 
@@ -13,8 +14,22 @@ import msgspec
 from .events import UnsupportedVersion
 from .limits import guarded
 
-#: SGLang hashes token ids as uint32: anything outside is not a token id.
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+#: SGLang hashes token ids as uint32: anything outside is not a token id. Lists of them are
+#: declared `list[int]` and checked by `check_token_ids` in the struct's `__post_init__`: a
+#: per-element msgspec bound made decoding 8,192 ids take 320 µs against 166 for plain ints,
+#: and packing them as uint32 checks the same bound in 47 µs (tests/test_router.py's bad bodies).
+UINT32_MAX = 0xFFFFFFFF
+
+
+def check_token_ids(ids: list[int], field: str) -> None:
+    """Raise ValueError (msgspec reports it as a ValidationError) naming the first id of `ids`
+    outside uint32, at its path `$.<field>[i]`, as msgspec's own bound would."""
+    try:
+        array.array("I", ids)
+    except OverflowError:
+        bad = next(i for i, t in enumerate(ids) if not 0 <= t <= UINT32_MAX)
+        raise ValueError(f"Expected `int` >= 0 and <= {UINT32_MAX}, got {ids[bad]} - at `$.{field}[{bad}]`") from None
+
 Weight = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
@@ -55,7 +70,7 @@ class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    token_ids: list[TokenId]
+    token_ids: list[int]  # each a TokenId: checked in __post_init__
     request_id: RequestId | None = None
     overrides: RouteOverrides | None = None
     #: Expected output tokens, booked as decode pages with the prompt (0 = prompt only).
@@ -68,6 +83,9 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: List every candidate with its logit, overlap and loads in the answer (`candidates`);
     #: without it the answer names the winner only (the decision log always has them all).
     explain: bool = False
+
+    def __post_init__(self) -> None:
+        check_token_ids(self.token_ids, "token_ids")
 
 
 class TierOverlap(msgspec.Struct, frozen=True, kw_only=True):
@@ -200,11 +218,14 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """The fields of SGLang's native `/generate` body a proxying router reads; the body is
     forwarded unchanged, so every other field reaches the worker as the client sent it."""
 
-    input_ids: list[TokenId]
+    input_ids: list[int]  # each a TokenId: checked in __post_init__
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     rid: RequestId | None = None
     stream: bool = False
     sampling_params: GenerateSamplingParams = GenerateSamplingParams()
+
+    def __post_init__(self) -> None:
+        check_token_ids(self.input_ids, "input_ids")
 
 
 class ErrorBody(msgspec.Struct, frozen=True):

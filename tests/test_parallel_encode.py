@@ -299,6 +299,6 @@ def test_short_texts_are_not_cut(encoders):
     raw, encoder = encoders["deepseek"]
     assert encoder.cuts("a\nb" * 5) == [] and encoder.cuts("a\nb" * 6) != []  # 15, 18 characters
     default = ParallelEncoder(raw, parts=4)
-    assert default.cuts("x\nY" * 2000) == []  # 6,000 characters: under 8 KiB
-    assert len(default.cuts("x\nY" * 3000)) == 1  # 9,000: two parts of at least about 4 KiB
-    assert len(default.cuts("x\nY" * 6000)) == 3
+    assert default.cuts("x\nY" * 1300) == []  # 3,900 characters: under MIN_PARALLEL_CHARS (4,096)
+    assert len(default.cuts("x\nY" * 1500)) == 1  # 4,500: two parts of at least about 2 KiB
+    assert len(default.cuts("x\nY" * 3000)) == 3
