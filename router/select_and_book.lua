@@ -1,7 +1,7 @@
 -- Pick a worker and book the request's load on it in one atomic step, so concurrent router
 -- replicas always see each other's bookings. The load-free part of each score (the cache
 -- credit) comes from router/scoring.py; the load-dependent step below is the same formula
--- (tests/test_scoring.py checks both choose alike).
+-- (tests/test_router_scoring.py checks both choose alike).
 -- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset
 -- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 request pages,
 --       6 decode pages, 7 prefill_load_scale, 8 temperature, 9 u in [0,1), 10 book (1|0),

@@ -109,3 +109,35 @@ def test_setup_script_names_the_install_command_when_it_cannot_install(tmp_path)
     assert ("sudo apt-get update && sudo apt-get install -y --no-install-recommends libibverbs1 iproute2 util-linux"
             in proc.stderr), proc.stderr
     assert "collected" not in proc.stdout  # pytest never ran
+
+
+#: A path into the repo as docs, docstrings, comments and Lua scripts cite it ("tests/x.py",
+#: "docs/DESIGN.md", "router/select_and_book.lua"): it must exist, so a moved or renamed file
+#: leaves no dangling citation behind.
+_CITED_PATH = re.compile(r"(?<![\w./-])((?:tests|docs|router|schemas|consumers|producers|kvtier|deploy|scripts|\.ci)"
+                         r"/[\w./-]*\w)")
+_CITING_SUFFIXES = (".py", ".md", ".lua", ".sh", ".yml", ".yaml", ".toml")
+
+
+def cited_paths_missing(files: list[pathlib.Path]) -> list[str]:
+    missing = []
+    for path in files:
+        if path.suffix not in _CITING_SUFFIXES and path.relative_to(ROOT).as_posix() not in ("scripts/test", ".ci/run"):
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for match in _CITED_PATH.finditer(line):
+                cited = match.group(1).rstrip(".")
+                if not (ROOT / cited).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {cited}")
+    return missing
+
+
+def test_every_path_the_repo_cites_exists():
+    here = pathlib.Path(__file__).resolve()  # its examples cite paths that do not exist
+    assert not cited_paths_missing([p for p in tracked_text_files() if p != here])
+
+
+def test_a_dangling_citation_is_found(tmp_path, monkeypatch):
+    cited = ROOT / "docs" / "test-citing-file.md"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, encoding=None: "see tests/test_nothing_here.py.")
+    assert cited_paths_missing([cited]) == ["docs/test-citing-file.md:1: tests/test_nothing_here.py"]

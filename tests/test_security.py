@@ -62,7 +62,7 @@ class Secured:
     auth_token: str
     nkey_seed: str
     nkey_seed_file: str
-    nats_tls: NatsServer  # TLS (client certificates required), users kvtier/password and an NKey user
+    nats_tls: NatsServer  # TLS (client certificates required), user kvtier with a password, and an NKey user
     nats_token_server: NatsServer  # plain, token auth
     redis: SecureRedis
 
