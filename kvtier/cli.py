@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from kvtier.commands import (
     analytics,
@@ -27,16 +28,36 @@ from kvtier.commands import (
 )
 from kvtier.commands.flags import EnvDefaults, setup
 
-#: In the order `kvtier --help` lists them.
-COMMANDS = (bridge, processor, router, sim_worker, servers, inspect, doctor, replay, events, probe, analytics, report,
-            demo, tune, bench)
+#: The commands by role, in the order `kvtier --help` lists them.
+ROLES = (
+    ("services", (bridge, processor, router, analytics)),
+    ("operator tools", (doctor, inspect, replay, events, report, probe)),
+    ("lab", (demo, bench, tune, sim_worker, servers)),
+)
+COMMANDS = tuple(command for _, commands in ROLES for command in commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = EnvDefaults(prog="kvtier", description="Tier-aware KV-cache routing for SGLang HiCache clusters.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvDefaults)
-    for command in COMMANDS:
-        command.register(sub)
+    parser = EnvDefaults(prog="kvtier", description="Tier-aware KV-cache routing for SGLang HiCache clusters.",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvDefaults, metavar="COMMAND",
+                                help="one of the commands below, by role")
+    groups = []
+    for role, commands in ROLES:
+        before = len(sub._choices_actions)
+        for command in commands:
+            command.register(sub)
+        groups.append((role, sub._choices_actions[before:]))
+    # one list per role instead of argparse's single one (its entries are the same pseudo-actions)
+    sub._choices_actions = []
+    width = max(len(action.dest) for _, actions in groups for action in actions)
+    indent = " " * (width + 4)
+
+    def line(action) -> str:
+        return textwrap.fill(f"  {action.dest:<{width}}  {action.help}", 100, subsequent_indent=indent)
+
+    parser.epilog = "\n\n".join(f"{role}:\n" + "\n".join(line(action) for action in actions)
+                                for role, actions in groups) + "\n\n`kvtier COMMAND --help` explains each one."
     return parser
 
 

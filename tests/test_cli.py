@@ -127,3 +127,18 @@ def test_an_empty_nats_url_is_a_settings_error_not_a_retry_loop():
 
     with pytest.raises(NatsOptionsError, match="no NATS server"):
         asyncio.run(asyncio.wait_for(connect_nats(" , ", "kvtier-test"), 10))
+
+
+def test_help_lists_every_command_once_under_its_role():
+    from kvtier.cli import ROLES
+
+    text = build_parser().format_help()
+    roles = [role for role, _ in ROLES]
+    assert [r for r in roles if f"\n{r}:\n" in text] == roles
+    listed = [line.split()[0] for line in text.split("\nservices:\n", 1)[1].splitlines()
+              if line.startswith("  ") and not line.startswith("   ")]
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert sorted(listed) == sorted(commands) and len(listed) == len(set(listed))
+    # the services come first, the lab last
+    assert text.index("\nservices:\n") < text.index("  router ") < text.index("\noperator tools:\n") \
+        < text.index("  doctor ") < text.index("\nlab:\n") < text.index("  bench ")
