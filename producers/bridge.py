@@ -50,7 +50,7 @@ from kvtier.schemas.events import (
     decode_message,
     encode_message,
 )
-from kvtier.schemas.sglang import MalformedBatch, decode_payload
+from kvtier.schemas.sglang import DecodedBatch, MalformedBatch, decode_payload
 from kvtier.schemas.subjects import (
     EVENTS_STREAM,
     control_subject,
@@ -350,7 +350,7 @@ class RankBridge:
 
     async def _forward(self, raws: list[RawBatch]) -> None:
         """Forward engine batches in order, handling duplicates, gaps and restarts."""
-        ready: list[tuple[RawBatch, object]] = []
+        ready: list[tuple[RawBatch, DecodedBatch | str]] = []
         index = 0
         while index < len(raws):
             raw = raws[index]
@@ -369,6 +369,7 @@ class RankBridge:
             ready = []
             if verdict == SourceSequencer.GAP:
                 missing_from = self.sequencer.expected
+                assert missing_from is not None  # a gap is a seq past the one expected
                 filled = await self._replay_from(max(0, missing_from - 1)) if self.replay else None
                 continuation = self._continuation(filled, missing_from)
                 if continuation is not None:
@@ -410,7 +411,7 @@ class RankBridge:
             return rest
         return None
 
-    async def _flush(self, ready: list[tuple[RawBatch, object]]) -> None:
+    async def _flush(self, ready: list[tuple[RawBatch, DecodedBatch | str]]) -> None:
         if not ready:
             return
         events: list[TierEvent] = []
@@ -555,7 +556,7 @@ class RankBridge:
             self.stop()
 
 
-def _decode(raw: RawBatch):
+def _decode(raw: RawBatch) -> tuple[DecodedBatch | str, float | None]:
     """(decoded batch or the reason it is malformed, engine ts or None)."""
     try:
         decoded = decode_payload(raw.payload)

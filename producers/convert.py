@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 
@@ -44,7 +45,7 @@ def _convert_event(event, keep_token_ids: bool) -> TierEvent:
             hashes=event.block_hashes,
             parent=event.parent_block_hash,
             page_size=event.block_size,
-            token_ids=pack_token_ids(event.token_ids if keep_token_ids and not bigram else []),
+            token_ids=pack_token_ids(cast("list[int]", event.token_ids) if keep_token_ids and not bigram else []),
             lora_id=event.lora_id,
             namespace=BIGRAM_NAMESPACE if bigram else _namespace(event),
         )
@@ -112,7 +113,9 @@ def split_to_fit(event: TierEvent, max_pages: int, max_bytes: int) -> list[TierE
     except (msgspec.DecodeError, RecursionError):
         tokens = None  # not what the bridge packs: the pieces go without
     size = event.page_size
-    sliceable = isinstance(tokens, list) and len(tokens) == n * size
+    if not (isinstance(tokens, list) and len(tokens) == n * size):
+        tokens = []
+    sliceable = bool(tokens)
     per_page = _NUM + (len(event.token_ids) / n if sliceable else 0)
     fixed = encoded_size_bound(PagesStored(tier=event.tier, hashes=[], namespace=event.namespace))
     pieces: list[TierEvent] = []

@@ -56,6 +56,10 @@ class SimConfig:
 class SharedPool(Protocol):
     def contains(self, digest: PageDigest) -> bool: ...
 
+    def __len__(self) -> int:
+        """Pages held."""
+        ...
+
     def put(self, digests: list[PageDigest]) -> None: ...
 
     def touch(self, digests: list[PageDigest]) -> None:

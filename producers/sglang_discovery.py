@@ -106,6 +106,7 @@ def manual_settings(flags: WorkerFlags) -> WorkerSettings:
     if missing:
         raise DiscoveryError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required unless "
                              "--sglang-url is given (then they are read from SGLang's /server_info)")
+    assert flags.endpoint is not None and flags.model is not None and flags.page_size is not None  # checked above
     tp_size, pp_size = flags.tp_size or 1, flags.pp_size or 1
     mooncake = None
     if flags.hicache_storage_backend == "mooncake":
@@ -280,6 +281,7 @@ def _mooncake(info: ServerInfo, layout: L3CacheLayout | None, flags: WorkerFlags
         attention, prefix = served_attention, served_prefix
     why = layout.reason or "no reason given"
     if layout.enabled and described:
+        assert attention is not None and prefix is not None  # SGLang's own, set above
         candidate = MooncakeLayout(attention=AttentionKind(attention), tp_size=tp_size, pp_size=pp_size,
                                    key_prefix=prefix)
         problem = _unsupported(layout, candidate, page_size)
@@ -291,6 +293,7 @@ def _mooncake(info: ServerInfo, layout: L3CacheLayout | None, flags: WorkerFlags
             notes.append(f"{problem}: no Mooncake layout is announced (routing works without shared-pool credit)")
         return None
     if wanted == "mooncake" and described:
+        assert attention is not None and prefix is not None  # SGLang's own, set above
         notes.append(f"SGLang reports its L3 layout unusable ({why}); announcing kvtier's {attention.upper()} "
                      f"layout (key prefix {prefix!r}) because --hicache-storage-backend mooncake was given")
         return MooncakeLayout(attention=AttentionKind(attention), tp_size=tp_size, pp_size=pp_size, key_prefix=prefix)

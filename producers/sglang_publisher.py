@@ -32,7 +32,7 @@ class SglangEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, 1_000_000)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self.seq = 0
@@ -44,7 +44,7 @@ class SglangEventPublisher:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.bind(replay_endpoint)
-            self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(target=self._serve_replay, name="sglang-replay", daemon=True)
             self._thread.start()
 

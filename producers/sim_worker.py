@@ -50,13 +50,14 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
 from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
-from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, SimConfig
+from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, SharedPool, SimConfig
 from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import PageDigest
 from kvtier.schemas.mooncake import BatchQueryReply, KeyStatus
@@ -204,6 +205,7 @@ def pool_query_response(pool, request: web.Request) -> web.Response:
 class SimWorkers:
     def __init__(self, config: SimWorkerConfig):
         self.config = config
+        self.pool: SharedPool | None
         if not config.sim.l3:
             self.pool = None
         elif config.mooncake_rpc:
@@ -353,7 +355,7 @@ class SimWorkers:
         return json_response(AdvanceReply(now=self._now))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        ranks = range(len(self.sims))
+        ranks: Sequence[int] = range(len(self.sims))
         if "rank" in request.match_info:
             rank = int(request.match_info["rank"])
             if not 0 <= rank < len(self.sims):

@@ -69,7 +69,8 @@ class HiCacheWorkload:
                 tokens = list(range(self._token, self._token + n * self.page_size))
                 self._token += n * self.page_size
                 hashes = sglang_block_hashes(tokens, self.page_size)
-                events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
+                wire_tokens: list[int | list[int]] = [*tokens]
+                events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=wire_tokens,
                                           block_size=self.page_size, medium=GPU))
                 self.on_gpu.update(hashes)
             elif op < 0.55:
