@@ -25,6 +25,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 
@@ -34,7 +35,7 @@ from kvtier.router import scoring
 from kvtier.router.core import DEGRADED_ONLY_STALE, DEGRADED_STATE_STORE
 from kvtier.router.hashing import RequestPages
 from kvtier.router.state import OverlapReader, WorkerStatus
-from kvtier.schemas.hashes import PageDigest, page_keys_blob
+from kvtier.schemas.hashes import BlockHash, PageDigest, page_keys_blob
 from kvtier.schemas.routing import RouteDecision, TierOverlap, decision_request_id, decode_decision
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import DECISIONS_PREFIX, DECISIONS_STREAM, decisions_subject
@@ -124,7 +125,8 @@ class Explanation:
 def _pages_by_size(decision: RouteDecision) -> dict[int, RequestPages]:
     # The walk needs only the page keys; the recorded hashes are the digests' first 8 bytes
     # (full digests are needed only for Mooncake keys, which explain does not query).
-    return {size: RequestPages(size, tuple(PageDigest(struct.pack(">q", h)) for h in hashes), page_keys_blob(hashes))
+    return {size: RequestPages(size, tuple(PageDigest(struct.pack(">q", h)) for h in hashes),
+                               page_keys_blob(cast("list[BlockHash]", hashes)))
             for size, hashes in decision.page_hashes.items()}
 
 

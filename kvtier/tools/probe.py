@@ -299,7 +299,7 @@ class ProbeConfig:
 @dataclass
 class _Seen:
     stream_seq: int
-    message: EventBatch | WorkerAnnounce
+    message: EventBatch | WorkerAnnounce | WorkerExpired
 
 
 @dataclass
@@ -367,9 +367,9 @@ class Probe:
         self.config = config
         self.url = config.worker_url.rstrip("/")
         self.watcher = EventWatcher()
-        self.js = None
-        self.nc = None
-        self.redis = None
+        self.js: Any = None  # the JetStream context, once connected
+        self.nc: Any = None  # the NATS connection, once connected
+        self.redis: Any = None  # the Redis client, once connected
         self.redis_error = ""
         self.keys = ModelKeys.for_model(config.model)
 

@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import msgspec
 import redis
@@ -444,8 +445,8 @@ def read_states(client: redis.Redis, root: str, model: str | None = None,
     states: dict[tuple[str, str], WorkerState] = {}
     for token in tokens:
         keys = ModelKeys(token, root)
-        workers = sorted({as_text(w) for w in client.smembers(keys.workers)}
-                         | {as_text(w) for w in client.zrange(keys.leases, 0, -1)})
+        leased = cast("list[bytes]", client.zrange(keys.leases, 0, -1))  # members only: no scores asked
+        workers = sorted({as_text(w) for w in client.smembers(keys.workers)} | {as_text(w) for w in leased})
         if worker is not None:
             workers = [w for w in workers if w == worker]
         for w in workers:

@@ -17,6 +17,7 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtier.consumers.analytics import MessageFeeder, decision_filters, event_filters
@@ -147,8 +148,10 @@ def summarize(data: ReportData) -> dict:
         if samples is None or not samples.seen:
             continue
         values = sorted(samples.values)
-        lifetimes[tier] = {"pages": samples.seen, "p50_s": round(_percentile(values, 50), 3),
-                           "p90_s": round(_percentile(values, 90), 3), "max_s": round(values[-1], 3)}
+        p50, p90 = _percentile(values, 50), _percentile(values, 90)
+        assert p50 is not None and p90 is not None  # values is not empty: samples were seen
+        lifetimes[tier] = {"pages": samples.seen, "p50_s": round(p50, 3), "p90_s": round(p90, 3),
+                           "max_s": round(values[-1], 3)}
     events = {kind: n for (stream, kind), n in sorted(data.messages.items()) if stream == EVENTS_STREAM}
     decisions = sum(a.decisions.values())
     rate = a.shared_pool_hit_rate()
@@ -263,8 +266,9 @@ def write_plots(data: ReportData, summary: dict, out: pathlib.Path) -> list[str]
     steps = len(data.snapshots) - 1
     step_s = a.timeline_step
     mids = [(i + 0.5) * step_s for i in range(steps)]
+    timeline: Mapping[tuple[int, str], int] = a.timeline or {}  # None only when the analytics kept no timeline
     for kind in kinds:
-        axis.plot(mids, [a.timeline.get((i, kind), 0) for i in range(steps)], label=kind, marker=".")
+        axis.plot(mids, [timeline.get((i, kind), 0) for i in range(steps)], label=kind, marker=".")
     axis.set_xlabel(xlabel)
     axis.set_ylabel(f"pages per {step_s:.3g} s")
     axis.set_title("transitions per kind")

@@ -3,7 +3,7 @@ check; `diagnose()` runs them all and `exit_code()` turns them into the exit sta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -88,7 +88,7 @@ def check_nats(nats: NatsView) -> list[Finding]:
     return [Finding(check="nats", status=Status.OK, subject=nats.url, finding="reachable, JetStream on")]
 
 
-def check_streams(nats: NatsView, routers: list[RouterView] = ()) -> list[Finding]:
+def check_streams(nats: NatsView, routers: Sequence[RouterView] = ()) -> list[Finding]:
     if not nats.reachable or not nats.jetstream:
         return []
     out = []
@@ -304,7 +304,7 @@ def check_page_sizes(redis_view: RedisView, routers: list[RouterView]) -> list[F
         live = [w for w in workers if w.live and w.page_size]
         sizes: dict[int, list[WorkerRecord]] = {}
         for w in live:
-            sizes.setdefault(w.page_size, []).append(w)
+            sizes.setdefault(w.page_size or 0, []).append(w)  # never 0: only workers with a size
         if len(sizes) > 1:
             listing = "; ".join(f"{size} ({_names(ws, 4)})" for size, ws in sorted(sizes.items()))
             out.append(Finding(
@@ -346,7 +346,7 @@ def check_mooncake(mooncake: MooncakeView | None, redis_view: RedisView,
                    routers: list[RouterView]) -> list[Finding]:
     out = []
     live = [w for w in redis_view.workers if w.live] if redis_view.reachable else []
-    with_layout = [w for w in live if w.meta is not None and w.meta.mooncake is not None]
+    with_layout = [w.meta.mooncake for w in live if w.meta is not None and w.meta.mooncake is not None]
     shared_routers = [r.url for r in routers if r.reachable and r.healthz.shared_pool.enabled]
     wanted = bool(with_layout or shared_routers)
     if mooncake is not None:
@@ -368,8 +368,8 @@ def check_mooncake(mooncake: MooncakeView | None, redis_view: RedisView,
         return out
     subject = redis_view.requested_model or "all models"
     if with_layout:
-        layouts = sorted({f"{w.meta.mooncake.attention.value} tp={w.meta.mooncake.tp_size}"
-                          f" pp={w.meta.mooncake.pp_size}" for w in with_layout})
+        layouts = sorted({f"{layout.attention.value} tp={layout.tp_size} pp={layout.pp_size}"
+                          for layout in with_layout})
         unchecked = "; master not checked (give --mooncake-master)" if mooncake is None else ""
         out.append(Finding(check="mooncake", status=Status.OK, subject=subject,
                            finding=f"{len(with_layout)} of {len(live)} live workers advertise a Mooncake layout "

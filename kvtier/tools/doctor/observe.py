@@ -317,22 +317,20 @@ def observe_mooncake(url: str, timeout: float) -> MooncakeView:
 
 async def observe(nats_url: str, redis_url: str, routers: list[str], mooncake_master: str = "",
                   model: str | None = None, events_window_s: float = 300.0, timeout: float = 3.0) -> Observation:
-    side = [asyncio.to_thread(observe_router, url, timeout) for url in routers]
-    if mooncake_master:
-        side.append(asyncio.to_thread(observe_mooncake, mooncake_master, timeout))
-    side_task = asyncio.gather(*side)
+    router_task = asyncio.gather(*(asyncio.to_thread(observe_router, url, timeout) for url in routers))
+    mooncake_task = asyncio.ensure_future(asyncio.to_thread(observe_mooncake, mooncake_master, timeout)) \
+        if mooncake_master else None
     redis_view = await asyncio.to_thread(observe_redis, redis_url, model, timeout)
     nats_view = await observe_nats(nats_url, redis_view.workers, timeout)
     if redis_view.reachable:
         await asyncio.to_thread(_confirm_behind, redis_view, nats_view, redis_url, timeout)
-    results = await side_task
-    router_views = list(results[: len(routers)])
+    router_views = list(await router_task)
     # Routers were asked concurrently with Redis: one whose index looks behind the feed head
     # read may simply have answered first. Ask it once more, now surely after that read.
     for i, view in enumerate(router_views):
         if any(index_behind(view, redis_view)):
             router_views[i] = await asyncio.to_thread(observe_router, view.url, timeout)
-    mooncake_view = results[len(routers)] if mooncake_master else None
+    mooncake_view = await mooncake_task if mooncake_task is not None else None
     return Observation(nats=nats_view, redis=redis_view, routers=router_views, mooncake=mooncake_view,
                        events_window_s=events_window_s)
 
