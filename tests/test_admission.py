@@ -12,6 +12,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
@@ -21,6 +23,9 @@ from .router_helpers import RouterProcess, StateSeeder, http, request_tokens
 from .test_router_proxy import EngineProcess, loads
 
 MODEL = "admitted"
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 class _Stream:

@@ -276,6 +276,7 @@ def distinct_msg_ids(batches: list[EventBatch]) -> list[str]:
     return [f"{b.msg_id}:{i}" for i, b in enumerate(batches)]
 
 
+@pytest.mark.slow
 def test_analytics_end_to_end_and_restart_without_double_counting(nats_server):
     t0 = time.time()
     batches = live_sequence(t0)
@@ -332,6 +333,7 @@ def test_analytics_end_to_end_and_restart_without_double_counting(nats_server):
         stop_all(analytics)
 
 
+@pytest.mark.slow
 def test_analytics_expires_workers_whose_lease_ran_out(nats_server):
     async def publish():
         import nats
@@ -360,6 +362,7 @@ def test_analytics_expires_workers_whose_lease_ran_out(nats_server):
         stop_all(analytics)
 
 
+@pytest.mark.slow
 def test_analytics_counts_a_real_routers_decisions(nats_server, redis_server, redis_client):
     from .router_helpers import RouterProcess, StateSeeder, http, request_tokens
 
@@ -392,6 +395,7 @@ def run_report(nats_url: str, out: pathlib.Path, *args: str) -> tuple[dict, str]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 
 
+@pytest.mark.slow
 def test_report_writes_plots_and_summary(nats_server, tmp_path):
     t0 = time.time()
     batches = live_sequence(t0)

@@ -4,6 +4,7 @@ import asyncio
 
 import msgspec
 import nats
+import pytest
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
 from kvtier.plumbing.streams import StreamSettings, ensure_streams
@@ -26,6 +27,7 @@ def stored(h, medium="GPU", block_size=4):
     return BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[], block_size=block_size, medium=medium)
 
 
+@pytest.mark.slow
 def test_bad_engine_input_is_dead_lettered_and_the_bridge_keeps_going(nats_server, redis_server):
     with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
         publisher = run.publisher
@@ -58,6 +60,7 @@ def test_bad_engine_input_is_dead_lettered_and_the_bridge_keeps_going(nats_serve
         assert any(data == good[:-5] for _, _, data in letters)
 
 
+@pytest.mark.slow
 def test_bad_stream_messages_are_dead_lettered_and_the_processor_keeps_going(nats_server, redis_server, redis_client):
     first = kvtier_batch(MODEL, "w1", 1, 1, [stored(10)])
     second = kvtier_batch(MODEL, "w1", 1, 2, [stored(11)])

@@ -15,6 +15,9 @@ import pytest
 OUTCOMES = ["completed", "refused", "rejected", "failed_before_first_byte", "failed_after_first_byte", "lost"]
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 @pytest.mark.timeout(240)
 def test_bench_overload_short_loses_nothing():
     result = subprocess.run(

@@ -26,6 +26,9 @@ TOP_KEYS = ["requests", "workers", "replicas", "hand_over_token_ids", "direct_re
 REQUESTS = 8
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 @pytest.mark.timeout(150)
 def test_bench_proxy_small():
     # the fresh and system prompts (~10k characters) are long enough to be encoded in parts by

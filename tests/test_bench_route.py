@@ -28,6 +28,9 @@ KEYS = [
 ]
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 @pytest.mark.timeout(170)
 def test_bench_route_small():
     result = subprocess.run(

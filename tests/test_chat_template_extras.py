@@ -291,6 +291,7 @@ def test_what_transformers_renders_is_what_the_router_computes(folders):
         assert chat.exact and chat.ids == expected, (name, text)
 
 
+@pytest.mark.slow
 def test_a_proxied_chat_with_tools_is_tokenized_as_the_engine_does_and_an_image_is_not_checked(folders):
     """Defect 16 through a real router: a chat with tools (and one with an image part) sent with
     the `openai` client to `kvtier router --proxy` in front of a sim-worker that renders chats as

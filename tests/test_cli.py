@@ -76,6 +76,7 @@ def test_processor_refuses_partitions_the_stream_does_not_have(nats_server, redi
     assert "partitions [8, 9] do not exist: the stream has 8 (0..7)" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_second_partition_count_is_refused(nats_server, redis_server):
     args = [sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url, "--redis", redis_server.url,
             "--partitions", "0", "--stream-partitions"]

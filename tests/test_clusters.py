@@ -90,6 +90,7 @@ def move_leader(cluster: NatsCluster, server_name: str) -> str:
     return server_name
 
 
+@pytest.mark.slow
 def test_nats_cluster_node_loss_loses_nothing(redis_server):
     started = time.monotonic()
     model = "org/cluster-model"
@@ -178,6 +179,7 @@ def known_chain(publisher: SglangEventPublisher, reference: ReferenceModel, seed
     return tokens
 
 
+@pytest.mark.slow
 def test_redis_cluster_processor_and_router_work_unchanged(nats_server):
     started = time.monotonic()
     with RedisCluster() as cluster:

@@ -843,6 +843,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_each_check_catches_its_breakage(files, case):
     mutate, expected = BROKEN[case]

@@ -772,6 +772,7 @@ BROKEN: dict[str, tuple[Callable[[Monitoring], None], str]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_each_check_catches_its_breakage(monitoring, exported, case):
     mutate, expected = BROKEN[case]

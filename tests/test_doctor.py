@@ -380,6 +380,7 @@ def problems(report: dict) -> list[dict]:
     return [f for f in report["findings"] if f["status"] != "ok"]
 
 
+@pytest.mark.slow
 def test_healthy_stack_passes_every_check(stack):
     # The router indexes the model it routes (its index was started when it first routed it).
     assert stack.router.route(MODEL_OK, _tokens(1, 6), book=False)[0] == 200
@@ -414,6 +415,7 @@ def test_flags_come_from_the_environment_too(stack):
     assert report["strict"] is True
 
 
+@pytest.mark.slow
 def test_a_worker_without_recent_events_is_a_warning(stack):
     wait_until(lambda: time.time() * 1000 - float(stack.state(MODEL_OK, "w0")["applied_ms"]) > 1500, timeout=10)
     rc, report, output = run_doctor(stack, "--model", MODEL_OK, "--events-window", "1")
@@ -436,6 +438,7 @@ def test_mooncake_master_unreachable_while_a_worker_advertises_a_layout_fails(st
     assert "network path" in finding["fix"]
 
 
+@pytest.mark.slow
 def test_only_gpu_tiers_with_hicache_on_blames_the_sglang_build(stack):
     # HiCache announced by the bridge (--hicache on), no L3: only the host tier is expected
     publisher = stack.start_worker(MODEL_GPU, "g0", PAGE, "--hicache", "on", "--hicache-write-policy", "write_through")
@@ -460,6 +463,7 @@ def page_size_pair(stack):
     return ["p4", "p8"]
 
 
+@pytest.mark.slow
 def test_page_size_mismatch_between_two_workers_fails(stack, page_size_pair):
     rc, report, output = run_doctor(stack, "--model", MODEL_PS, "--router", stack.router.url)
     assert rc == 1, output
@@ -482,6 +486,7 @@ def plain_worker(stack):
     return publisher
 
 
+@pytest.mark.slow
 def test_no_worker_advertising_a_layout_is_a_warning(stack, plain_worker):
     args = ["--model", MODEL_PLAIN]
     args += ["--mooncake-master", stack.master.http_url] if stack.master is not None else ["--router", stack.router.url]
@@ -513,6 +518,7 @@ def test_hash_scheme_mismatch_fails_with_its_explanation(stack, plain_worker):
     assert "0.5.6 or later" in finding["fix"]
 
 
+@pytest.mark.slow
 def test_dead_letters_are_counted_with_their_latest_reason(stack):
     import asyncio
 
@@ -531,6 +537,7 @@ def test_dead_letters_are_counted_with_their_latest_reason(stack):
     assert run_doctor(stack, "--model", MODEL_OK, "--strict")[0] == 1
 
 
+@pytest.mark.slow
 def test_no_live_workers_when_every_lease_expired(stack, page_size_pair):
     for worker in page_size_pair:
         stack.bridges[f"{MODEL_PS}/{worker}"].stop()
@@ -543,6 +550,7 @@ def test_no_live_workers_when_every_lease_expired(stack, page_size_pair):
     assert "p4: lease_expired" in finding["finding"] and "kvtier bridge" in finding["fix"]
 
 
+@pytest.mark.slow
 def test_events_in_the_stream_but_not_applied_blame_the_processor(stack):
     stack.processor.stop()
     publisher = stack.publishers[f"{MODEL_OK}/w0"]
@@ -579,6 +587,7 @@ def test_redis_down_fails(stack):
     assert router and router[0]["status"] == "fail" and "cannot reach Redis" in router[0]["finding"], output
 
 
+@pytest.mark.slow
 def test_nats_down_fails(stack):
     stack.nats.stop()
     rc, report, output = run_doctor(stack, "--model", MODEL_OK)

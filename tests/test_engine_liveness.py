@@ -31,6 +31,9 @@ DOWN_LOG = "the engine does not answer GET"
 UP_LOG = "the engine answers GET"
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 def http_status(url: str) -> int | None:
     """The status `url` answers with right now; None when nothing answers."""
     try:

@@ -7,6 +7,7 @@ import json
 import time
 
 import nats
+import pytest
 
 from kvtier.bench.faults import KINDS, run_faults
 from kvtier.consumers.apply import read_worker_pages
@@ -21,6 +22,9 @@ from .helpers import HiCacheWorkload, ReferenceModel, RunningPipeline, wait_unti
 from .router_helpers import RouterProcess
 
 MODEL = "m-loss"
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def test_fault_suite_every_kind_ends_exact(tmp_path):

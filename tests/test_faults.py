@@ -31,6 +31,9 @@ from .helpers import (
 MODEL = "m-faults"
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 def test_processor_sigkill_mid_stream_then_restart(nats_server, redis_server):
     with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
         workload, reference = HiCacheWorkload(seed=3), ReferenceModel()

@@ -22,6 +22,9 @@ from .test_router_proxy import EngineProcess, loads
 MODEL = "door"
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 def _post_all(url: str, bodies: list[dict], headers: dict | None = None) -> list[tuple[int, dict, dict]]:
     """POST every body at once (one connection each), as a burst of clients would."""
 

@@ -53,6 +53,7 @@ TARGETS = fuzz.decoder_targets()
 
 
 # --- every decoder, in process --------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
 def test_decoder_returns_a_typed_value_or_its_documented_error(target):
     check = target.checker(MUTANTS)
@@ -285,6 +286,7 @@ def router_stack(redis_server):
     stack.close()
 
 
+@pytest.mark.slow
 def test_router_http_api_fuzzed(router_stack):
     """Every request gets 200 or a 4xx whose JSON error names the problem (the decoder's own
     message for a malformed body), never a 5xx or a hang; the router serves afterwards."""
@@ -302,6 +304,7 @@ def test_router_http_api_fuzzed(router_stack):
     assert statuses.get(200, 0) >= 8 and sum(n for s, n in statuses.items() if s >= 400) >= 50, statuses
 
 
+@pytest.mark.slow
 def test_router_survives_unreadable_worker_metadata_in_redis(router_stack):
     """Before: metadata in Redis that is not JSON raised msgspec.DecodeError out of the worker
     directory (only ValidationError was caught): every decision for the model was a 500 and
@@ -327,6 +330,7 @@ def bridge_stack(nats_server, redis_server):
     stack.close()
 
 
+@pytest.mark.slow
 def test_bridge_dead_letters_fuzzed_engine_input_and_applies_the_rest(bridge_stack):
     """A raw SGLang-format PUB sends fuzzed payloads and frames between valid batches: each bad
     payload, event or frame set is one dead letter with a reason (from the bridge; the
@@ -343,6 +347,7 @@ def test_bridge_dead_letters_fuzzed_engine_input_and_applies_the_rest(bridge_sta
     assert totals["dead"] >= 5, totals
 
 
+@pytest.mark.slow
 def test_bridge_splits_an_event_larger_than_a_nats_message(bridge_stack):
     """Before: one engine event of 200,000 pages (a long prompt at page size 1) made a kvtier
     batch over the server's max_payload; nats-py raised MaxPayloadError, the bridge exited, and
@@ -355,6 +360,7 @@ def test_bridge_splits_an_event_larger_than_a_nats_message(bridge_stack):
     assert len(bridge_stack.state()) == n // 2
 
 
+@pytest.mark.slow
 def test_bridge_dead_letters_a_payload_larger_than_a_nats_message(bridge_stack):
     """Before: the dead letter of a 3 MB bad payload was itself over max_payload: the bridge
     exited with MaxPayloadError. Now it is kept up to what the server takes, and says so."""
@@ -365,6 +371,7 @@ def test_bridge_dead_letters_a_payload_larger_than_a_nats_message(bridge_stack):
     assert letter[2]["Kvtier-Truncated-From"] == str(len(big)) and big.startswith(letter[3])
 
 
+@pytest.mark.slow
 def test_bridge_ignores_bad_control_messages(bridge_stack):
     """Garbage on the bridge's control subject (not JSON, deep, wrong types, unknown requests)
     is logged and ignored: no new epoch, and the bridge keeps forwarding."""
@@ -399,6 +406,7 @@ def processor_stack(nats_server, redis_server):
     stack.close()
 
 
+@pytest.mark.slow
 def test_processor_dead_letters_fuzzed_stream_messages_and_applies_the_rest(processor_stack):
     """Fuzzed messages on the events stream (other workers' subjects, odd tokens, subjects
     that are not UTF-8) interleaved with a good worker's batches: each message the processor
@@ -416,6 +424,7 @@ def test_processor_dead_letters_fuzzed_stream_messages_and_applies_the_rest(proc
     assert totals["dead"] >= 5, totals
 
 
+@pytest.mark.slow
 def test_processor_dead_letters_a_subject_that_is_not_utf8(processor_stack):
     """Before: nats-py decodes subjects strictly in its read loop; one message stored on
     `kvtier.events.m\\xff.w` broke the processor's connection at every delivery, so no later
@@ -426,6 +435,7 @@ def test_processor_dead_letters_a_subject_that_is_not_utf8(processor_stack):
     assert processor_stack.state() == {1: {Tier.HOST}, 2: {Tier.HOST}}
 
 
+@pytest.mark.slow
 def test_processor_dead_letters_a_message_at_the_servers_size_limit(processor_stack):
     """Before: the dead letter of a bad message near max_payload (the message plus the reason
     headers) was over the limit: MaxPayloadError, the fetch redelivered forever."""
@@ -435,6 +445,7 @@ def test_processor_dead_letters_a_message_at_the_servers_size_limit(processor_st
     assert processor_stack.state() == {3: {Tier.DEVICE}}
 
 
+@pytest.mark.slow
 def test_engine_items_cover_every_kind():
     """The strategies reach each kind of bad input (a smoke check of the generators)."""
     kinds = set()

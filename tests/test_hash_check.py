@@ -8,6 +8,8 @@ import hashlib
 import struct
 import urllib.request
 
+import pytest
+
 from kvtier.consumers.hash_check import HashValidator
 from kvtier.harness.embedded import free_port
 from kvtier.producers.sglang_publisher import SglangEventPublisher
@@ -139,6 +141,7 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+@pytest.mark.slow
 def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, redis_client):
     """Two SGLang-format publishers, one hashing like SGLang and one not, through real bridges,
     a real processor and a real router."""

@@ -464,6 +464,7 @@ def _run(cfg):
     return sims, totals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_random_workload_invariants(cfg):
     sims, totals = _run(cfg)  # the harness checks invariants and the reference model every step

@@ -256,6 +256,7 @@ def test_idle_connection_is_closed_after_header_timeout(serve, sockets):
     assert closed_count(server, "idle") == 1
 
 
+@pytest.mark.slow
 def test_slowloris_head_is_cut_after_header_timeout(serve, sockets):
     server = serve(header_timeout_s=1.0, keepalive_timeout_s=30)
     sock = sockets(server.port)
@@ -283,6 +284,7 @@ def test_slowloris_head_is_cut_after_header_timeout(serve, sockets):
 
 
 # --- (3) short body, (4) endless chunked body -------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/echo", "/edge/echo", "/helper"])
 def test_body_shorter_than_content_length_gets_408(serve, sockets, path):
     server = serve(header_timeout_s=5, body_timeout_s=0.6, keepalive_timeout_s=30)
@@ -336,6 +338,7 @@ def test_endless_chunked_body_is_cut_after_body_timeout(serve, sockets):
 
 
 # --- (5) idle keep-alive ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_idle_keepalive_connection_is_closed_after_keepalive_timeout(serve, sockets):
     server = serve(header_timeout_s=0.5, keepalive_timeout_s=1.5)
     sock = sockets(server.port)
@@ -407,6 +410,7 @@ def process_server(limits: dict, nofile: int, loop: str):
 
 @pytest.mark.parametrize("loop", ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(
     sys.platform == "win32", reason="no uvloop"))])
+@pytest.mark.slow
 def test_idle_flood_past_max_connections_does_not_starve_requests(sockets, loop):
     pytest.importorskip(loop)
     cap = 20
@@ -436,6 +440,7 @@ def test_idle_flood_past_max_connections_does_not_starve_requests(sockets, loop)
 
 
 # --- (7) normal requests are untouched --------------------------------------------------------
+@pytest.mark.slow
 def test_normal_requests_still_work(serve, sockets):
     server = serve(header_timeout_s=0.6, body_timeout_s=0.6, keepalive_timeout_s=1.0)
     # keep-alive: two requests, then a POST, on one connection
@@ -478,6 +483,7 @@ def test_normal_requests_still_work(serve, sockets):
     assert server.stats.closed["body_timeout"] == 0 and server.stats.closed["header_timeout"] == 0
 
 
+@pytest.mark.slow
 def test_busy_connections_are_never_evicted(serve, sockets):
     server = serve(header_timeout_s=5, keepalive_timeout_s=30, max_connections=3)
     busy = [sockets(server.port) for _ in range(3)]

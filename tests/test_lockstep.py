@@ -157,6 +157,7 @@ def run(policy, requests, shape=SHAPE):
     return asyncio.run(run_lockstep(policy, requests, shape, ScoringWeights(), shape.l3, 1))
 
 
+@pytest.mark.slow
 def test_in_process_replays_are_deterministic_and_check_their_cost_accounting():
     requests = small_trace()
     for make in (lambda: RouterModel("tier_aware_shared", 4, 64, ScoringWeights(), True, 0.005, 1),
@@ -169,6 +170,7 @@ def test_in_process_replays_are_deterministic_and_check_their_cost_accounting():
     assert all(o.reason == "same" for o in oracle.outcomes)
 
 
+@pytest.mark.slow
 def test_a_router_that_sees_events_late_loses_reuse_for_that_reason():
     requests = prepare(generate(SynthParams(requests=200, duration_s=600.0)), 64)
     shape = ClusterShape(workers=4, page_size=64, device_pages=256, host_pages=1024, l3=False)
@@ -187,6 +189,7 @@ def test_a_router_that_sees_events_late_loses_reuse_for_that_reason():
     assert late.summary()["recomputed_tokens"] > prompt.summary()["recomputed_tokens"]
 
 
+@pytest.mark.slow
 def test_a_replay_report_puts_the_oracle_and_bounds_beside_every_policy():
     requests = small_trace(80)
     settings = ReplaySettings(shape=SHAPE, via="model")
@@ -210,6 +213,7 @@ def cpu_burner(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
+@pytest.mark.slow
 def test_the_pipeline_decides_like_the_model_whatever_the_machine_load():
     from kvtier.bench.pipeline import PipelinePolicy, running_stack
 

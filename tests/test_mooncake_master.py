@@ -12,6 +12,7 @@ from kvtier.harness.embedded import MissingServerBinary, ServerStartError
 from tests.netns_runner import NetnsUnavailable, run_pytest_in_private_netns
 
 
+@pytest.mark.slow
 def test_real_mooncake_master_suite_in_a_private_network_namespace():
     started = time.monotonic()
     result = run_pytest_in_private_netns("tests/netns", timeout=170)

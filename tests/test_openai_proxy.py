@@ -113,6 +113,7 @@ def stack(tokenizer_dir):
             client.close()
 
 
+@pytest.mark.slow
 def test_models_lists_what_workers_announced(stack):
     assert [m.id for m in stack.openai(0).models.list().data] == [MODEL]
 
@@ -173,6 +174,7 @@ def _tokenized_by_workers(stack) -> int:
     return sum(http("GET", url.split("/w/")[0] + "/healthz")[1]["tokenized_prompts"] for url in stack.workers.values())
 
 
+@pytest.mark.slow
 def test_a_router_handing_over_its_token_ids_gets_the_engines_own_answer(stack, tokenizer_dir):
     """--hand-over-token-ids: a text completion reaches the engine as the router's ids, and the
     engine answers as it does to the text (same text, same usage; its pages under the same
@@ -267,6 +269,7 @@ def test_latency_is_recorded_by_worker_mode_and_tier_and_tokenization_checked(st
     assert checks["pages_missing"] == 0 and checks["ok"], checks
 
 
+@pytest.mark.slow
 def test_a_template_that_differs_without_changing_the_length_is_reported(stack, tokenizer_dir, tmp_path):
     # the engine's template, but a user turn opens with <|system|>: the same number of tokens,
     # other ids, so the engine stores pages under hashes the router never computes
@@ -297,6 +300,7 @@ def test_a_template_that_differs_without_changing_the_length_is_reported(stack, 
         router.stop()
 
 
+@pytest.mark.slow
 def test_a_router_tokenizing_unlike_the_engine_is_reported(stack, tokenizer_dir, tmp_path):
     import subprocess
     import sys
@@ -332,6 +336,7 @@ def test_a_router_tokenizing_unlike_the_engine_is_reported(stack, tokenizer_dir,
         router.stop()
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_what_clients_feel_from_real_routers(stack):
     """A real Prometheus scrapes both replicas; the dashboard's panels about the proxy (TTFT,
     request time and overhead by mode and tier, tokenizer checks) then have data to show."""

@@ -104,6 +104,7 @@ def one_encode(raw: Tokenizer, text: str, special: bool = False) -> list[int]:
     return raw.encode(text, add_special_tokens=special).ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["deepseek", "llama3"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=text, tail=text)
@@ -124,6 +125,7 @@ def test_parts_encode_as_one_encode(encoders, shape, body, tail):
         assert halves[2 * i].ids + halves[2 * i + 1].ids == want, (whole[:p], whole[p:])
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=text, tail=text)
 def test_model_tokenizer_with_and_without_the_cache_encodes_as_one_encode(folder, bos_folder, body, tail):
@@ -156,6 +158,7 @@ def loaded(where: str) -> tuple[ModelTokenizer, ModelTokenizer, ModelTokenizer]:
     return _LOADED[where]
 
 
+@pytest.mark.slow
 def test_an_8k_token_prompt_is_cut_by_default_and_encodes_as_one_encode(folder, bos_folder):
     import random
 
@@ -216,12 +219,14 @@ def test_the_vetted_shapes_are_cut(folder, llama3_folder):
     assert why_serial(spec_of(llama3_folder)) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EDITS))
 def test_a_tokenizer_of_another_shape_is_encoded_whole(folder, name):
     spec = edited(spec_of(folder), EDITS[name])
     assert why_serial(spec) is not None
 
 
+@pytest.mark.slow
 def test_an_edited_regex_is_never_cut_and_cutting_it_would_be_wrong(folder, tmp_path):
     where = variant(folder, tmp_path / "edited", edited(spec_of(folder), EDITS["a regex edited"]))
     raw = Tokenizer.from_file(f"{where}/tokenizer.json")

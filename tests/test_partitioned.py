@@ -3,6 +3,7 @@
 import asyncio
 
 import nats
+import pytest
 
 from kvtier.consumers.apply import read_worker_state
 from kvtier.schemas.subjects import EVENTS_STREAM
@@ -21,6 +22,9 @@ from .helpers import (
 
 MODEL = "m-part"
 WORKERS = [f"w{i}" for i in range(16)]
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def test_two_processors_share_partitions_and_keep_per_worker_order(nats_server, redis_server, redis_client):

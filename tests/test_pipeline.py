@@ -24,6 +24,7 @@ from .helpers import (
 MODEL = "meta-llama/Llama-3.1-8B"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("array_encoding", [False, True], ids=["map-events", "array-events"])
 def test_round_trip_matches_reference(nats_server, redis_server, array_encoding):
     publisher = SglangEventPublisher(array_encoding=array_encoding)
@@ -40,6 +41,7 @@ def test_round_trip_matches_reference(nats_server, redis_server, array_encoding)
         assert state["last_epoch_reason"] == "bridge_start"
 
 
+@pytest.mark.slow
 def test_store_before_remove_never_invisible(nats_server, redis_server):
     """A concurrent reader never sees a page vanish from every tier before its final removal."""
     with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
@@ -86,6 +88,7 @@ def test_vanish_watcher_detects_a_transient_vanish():
     assert watcher.vanished_then_back == {1}
 
 
+@pytest.mark.slow
 def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redis_client):
     import zmq
 
@@ -130,6 +133,7 @@ def test_dp_ranks_publish_on_port_base_plus_rank(nats_server, redis_server, redi
         stop_all(bridge, processor)
 
 
+@pytest.mark.slow
 def test_inspect_shows_what_redis_holds_per_tier(nats_server, redis_server):
     import json
     import subprocess

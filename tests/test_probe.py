@@ -69,6 +69,7 @@ def by_series(report: dict) -> dict[str, dict]:
     return {s["name"]: s for s in report["series"]}
 
 
+@pytest.mark.slow
 def test_probe_proves_the_l2_read_through_the_pipeline(nats_server, redis_server, redis_client):
     sim, zmq_port, replay_port, url = start_sim_worker()
     bridge = KvtierProcess("bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_port}", "--replay-endpoint",
@@ -119,6 +120,7 @@ def test_probe_proves_the_l2_read_through_the_pipeline(nats_server, redis_server
         stop_all(bridge, processor, sim)
 
 
+@pytest.mark.slow
 def test_without_telemetry_reuse_is_not_proven(nats_server, redis_server):
     """Nobody bridges this worker: no event stream, no tier state. It still reports cached
     tokens (even 'host' ones in C), and the probe must not turn that into a proof."""

@@ -38,6 +38,7 @@ async def _scenario(url: str, create_after_s: float | None) -> list[bytes]:
     return got
 
 
+@pytest.mark.slow
 def test_pulls_nobody_answers_are_asked_again_until_the_consumer_answers(nats_server):
     assert asyncio.run(_scenario(nats_server.url, create_after_s=1.5)) == [b"hello"]
 

@@ -12,9 +12,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from .cluster_helpers import RedisCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def declared_floor() -> str:

@@ -166,6 +166,7 @@ def rebuild_at(nats_url: str, redis_url: str, **bound) -> tuple[dict, object]:
 
 
 # --- (a) replay at past points == what the processor had then ----------------------------
+@pytest.mark.slow
 def test_replay_at_past_points_equals_live_snapshots(nats_server, redis_server, redis_client):
     """A real bridge (w0, HiCache workload) and directly published batches (w1: a gap that the
     processor rebases, then a new epoch) through one real processor; at three points the live
@@ -232,6 +233,7 @@ def test_replay_at_past_points_equals_live_snapshots(nats_server, redis_server, 
 
 
 # --- (b) --diff ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_diff_is_clean_then_finds_an_injected_divergence(nats_server, redis_server, redis_client):
     processor = processor_process(nats_server.url, redis_server.url)
     try:
@@ -326,6 +328,7 @@ def explain(nats_url: str, redis_url: str, request_id: str, *extra: str) -> tupl
     return result.returncode, last_json(result), result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_explain_reproduces_a_real_routers_decision_and_flags_differences(nats_server, redis_server, redis_client):
     tokens = request_tokens(8, 4)
     h = sglang_block_hashes(tokens, 4)
@@ -429,6 +432,7 @@ def tail(nats_url: str, *args: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_events_tail_filters(nats_server):
     publish(nats_server.url, announce("w0"),
             batch("w0", 1, 1, stored(Tier.DEVICE, [1, 2]), stored(Tier.HOST, [1]), reason="bridge_start"),
@@ -474,6 +478,7 @@ def test_events_tail_filters(nats_server):
 
 
 # --- (e) retention -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_replay_refuses_a_point_older_than_retention(nats_server, redis_server, redis_client):
     """A processor given --stream-max-bytes updates the existing stream: its oldest messages
     go. Replay then refuses a point before the first retained message, and a replay of what

@@ -13,6 +13,7 @@ import sys
 import time
 
 import nats
+import pytest
 
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.plumbing.streams import StreamSettings, ensure_streams
@@ -152,6 +153,7 @@ def test_the_fallback_in_flight_map_is_bounded_and_expires():
     assert fallback.release("r5") and not fallback.release("r5")
 
 
+@pytest.mark.slow
 def test_a_router_without_redis_tracks_booked_fallback_decisions_only(redis_client, redis_server):
     tokens = request_tokens(4, 4)
     seeder = StateSeeder(redis_client, MODEL)
@@ -173,6 +175,7 @@ def test_a_router_without_redis_tracks_booked_fallback_decisions_only(redis_clie
 
 
 # --- defect 6: booked load recoverable from the bookings -----------------------------------------
+@pytest.mark.slow
 def test_booked_load_comes_back_with_every_router_down_past_the_booking(redis_client, redis_server):
     tokens = request_tokens(6, 4)
     seeder = StateSeeder(redis_client, MODEL)
@@ -254,6 +257,7 @@ def control_requests(nats_url: str, model: str, worker: str):
 
 
 # --- defect 4: announces in stream order --------------------------------------------------------
+@pytest.mark.slow
 def test_an_announce_is_applied_after_the_batches_before_it(nats_server, redis_server, redis_client):
     feed = Feed(nats_server.url)
     writer = TierStateWriter(redis_client)
@@ -281,6 +285,7 @@ def test_an_announce_is_applied_after_the_batches_before_it(nats_server, redis_s
 
 
 # --- defect 1: leases on stream time; a processor outage expires nobody ---------------------------
+@pytest.mark.slow
 def test_a_processor_outage_longer_than_the_lease_expires_no_live_worker(nats_server, redis_server, redis_client):
     import threading
 
@@ -321,6 +326,7 @@ def test_a_processor_outage_longer_than_the_lease_expires_no_live_worker(nats_se
         stop_all(processor)
 
 
+@pytest.mark.slow
 def test_a_backlog_gives_a_dead_worker_no_fresh_lease(nats_server, redis_server, redis_client):
     feed = Feed(nats_server.url)
     sent = time.time()
@@ -341,6 +347,7 @@ def test_a_backlog_gives_a_dead_worker_no_fresh_lease(nats_server, redis_server,
         stop_all(processor)
 
 
+@pytest.mark.slow
 def test_a_dead_workers_processor_dying_too_still_expires_it(nats_server, redis_server, redis_client):
     """Two processors sharing the partitions; the one owning the worker's partition is killed
     with it: the survivor takes the partition over and expires the worker."""
@@ -385,6 +392,7 @@ def test_an_older_announce_delivered_again_moves_no_lease_back(redis_client):
     assert redis_client.zscore(leases, "w0") == int((now + 5.0) * 1000)
 
 
+@pytest.mark.slow
 def test_a_live_worker_outlives_an_old_announce_redelivered_after_newer_ones(nats_server, redis_server,
                                                                             redis_client):
     """The fault suite's failure: an announce whose delivery was lost comes back (here after the
@@ -425,6 +433,7 @@ def test_a_live_worker_outlives_an_old_announce_redelivered_after_newer_ones(nat
 
 
 # --- defect 2: deliveries lost with a pull come back before the gap timeout --------------------------
+@pytest.mark.slow
 def test_lost_deliveries_come_back_without_a_rebase(nats_server, redis_server, redis_client):
     feed = Feed(nats_server.url)
     feed.send(feed.announce(600), batch(1, events=[stored(1)], from_start=True))
@@ -478,6 +487,7 @@ def engine_batches(publisher: SglangEventPublisher, first: int, count: int, page
                                        token_ids=tokens, block_size=page, medium="GPU")])
 
 
+@pytest.mark.slow
 def test_a_bridge_that_joins_late_makes_a_partial_worker_until_a_flush(nats_server, redis_server, redis_client):
     publisher = SglangEventPublisher(buffer_size=3)
     engine_batches(publisher, 0, 6)  # the engine ran before its bridge: its buffer holds batches 3..5 only
@@ -506,6 +516,7 @@ def test_a_bridge_that_joins_late_makes_a_partial_worker_until_a_flush(nats_serv
         publisher.close()
 
 
+@pytest.mark.slow
 def test_a_starting_bridge_asks_a_slow_engine_for_its_replay_again(nats_server, redis_server, redis_client):
     """An engine too busy to answer the first replay request in time (seen in the fault suite
     on a loaded machine): the bridge asks again instead of beginning an epoch without the
@@ -531,6 +542,7 @@ async def _inspect(redis_url: str) -> str:
     return out.decode()
 
 
+@pytest.mark.slow
 def test_a_bridge_there_from_the_start_is_whole_and_turnover_ends_partial(nats_server, redis_server, redis_client):
     publisher = SglangEventPublisher(buffer_size=100)
     bridge = bridge_process(publisher, nats_server.url, "w0", MODEL)
@@ -557,6 +569,7 @@ def test_a_bridge_there_from_the_start_is_whole_and_turnover_ends_partial(nats_s
 
 
 # --- defect 10: dedupe ids per model, duplicates that were not retries --------------------------------
+@pytest.mark.slow
 def test_two_models_with_one_worker_name_and_epoch_both_apply(nats_server, redis_server, redis_client):
     a, b = Feed(nats_server.url, model="model-a"), Feed(nats_server.url, model="model-b")
     a.send(a.announce(600), batch(1, epoch=42, model="model-a", events=[stored(1)], from_start=True))

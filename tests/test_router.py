@@ -24,6 +24,9 @@ from .router_helpers import GUIDE_LOAD_SCALE, RouterProcess, StateSeeder, http, 
 MODEL = "org/model-1"
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 def by_worker(body: dict) -> dict[str, dict]:
     return {c["worker_id"]: c for c in body["candidates"]}
 

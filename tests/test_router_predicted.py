@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 
+import pytest
+
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
@@ -15,6 +17,9 @@ from .router_helpers import GUIDE_LOAD_SCALE, RouterProcess, StateSeeder, reques
 
 MODEL = "org/predicted"
 PAGE = 4
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def overlap_of(body: dict, worker: str) -> dict:

@@ -13,11 +13,16 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
+import pytest
+
 from .helpers import wait_until
 from .router_helpers import RouterProcess, StateSeeder, http, request_tokens
 
 MODEL = "processes-model"
 PAGE = 4
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def processes(router: RouterProcess) -> list[dict]:

@@ -20,6 +20,9 @@ from .router_helpers import RouterProcess, StateSeeder, answers, http, request_t
 MODEL = "proxied"
 
 
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
+
+
 class EngineProcess:
     def __init__(self, hold_file: str | None = None):
         self.port = free_port()

@@ -8,11 +8,16 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from .helpers import stop_all, wait_until
 from .router_helpers import RouterProcess, http
 from .test_tier_state import MODEL, TOKEN, BackgroundWriter
 
 WORKERS = [f"bw{i}" for i in range(8)]
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def candidates(router: RouterProcess, tokens: list[int]) -> list[dict]:

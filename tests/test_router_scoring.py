@@ -124,6 +124,7 @@ def test_hits_beyond_counts_pool_pages_at_or_after_a_position():
 
 
 # --- select_and_book.lua against router/scoring.py ------------------------------------------
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_selection_in_redis_matches_the_pure_function(redis_server, data):

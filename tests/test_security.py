@@ -168,6 +168,7 @@ class SecurePipeline(RunningPipeline):
         return self.processor
 
 
+@pytest.mark.slow
 def test_pipeline_and_router_with_credentials_over_tls(secured, monkeypatch):
     """bridge (NKey) -> NATS over mutual TLS -> processor (password in the URL) -> Redis (ACL
     user over TLS) -> router (NATS password from the environment, Redis CA by flag, bearer
@@ -219,6 +220,7 @@ def test_pipeline_and_router_with_credentials_over_tls(secured, monkeypatch):
           f"{'native (' + secured.redis.binary + ')' if secured.redis.native_tls else 'via a TLS terminator'}")
 
 
+@pytest.mark.slow
 def test_wrong_credentials_fail_clearly_without_the_secret(secured):
     """Services keep retrying with a warning that names the cause; one-shot commands exit 2
     with one line. Neither prints the secret they were given, nor the right one."""
@@ -285,6 +287,7 @@ def test_wrong_credentials_fail_clearly_without_the_secret(secured):
     assert "stream KVTIER_EVENTS does not exist" in ok.stderr, ok.stdout + ok.stderr
 
 
+@pytest.mark.slow
 def test_no_secret_in_any_command_output(secured):
     """Every command that takes secrets, run with them in URLs and the environment at DEBUG:
     the services (analytics, router) and the one-shot tools (doctor, events tail, replay,
@@ -342,6 +345,7 @@ def test_no_secret_in_any_command_output(secured):
         assert_no_secret(output, secured, what)
 
 
+@pytest.mark.slow
 def test_nats_creds_file_user(redis_server, tmp_path):
     """--nats-creds: a JWT user of an operator-mode server runs a processor (JetStream in its
     account); a user of an account the server does not know is refused with one clear line."""
@@ -364,6 +368,7 @@ def test_nats_creds_file_user(redis_server, tmp_path):
         server.cleanup()
 
 
+@pytest.mark.slow
 def test_router_bearer_token(redis_client, redis_server, tmp_path):
     """--auth-token-file + --protect-metrics: 401 without/with a wrong token on every endpoint
     but /healthz (unknown paths too), 200 with it; the token checked before the body is read;
@@ -416,6 +421,7 @@ def test_router_bearer_token(redis_client, redis_server, tmp_path):
     assert token not in router.output()
 
 
+@pytest.mark.slow
 def test_router_token_flags_are_checked(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("\n")
@@ -430,6 +436,7 @@ def test_router_token_flags_are_checked(tmp_path):
         assert result.returncode != 0 and message in result.stderr, (extra, result.returncode, result.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_nats_option_errors_are_one_line(tmp_path):
     cases = [
         (["--nats-user", "u"], "--nats-user and --nats-password go together"),

@@ -417,6 +417,7 @@ def test_without_sglang_url_the_flags_are_required():
 
 
 # --- the command ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_refuses_a_conflict_a_silent_server_and_an_unreachable_one(sgl):
     info = server_info(sgl.kv_events(events_config(), page_size=64))
     with FakeSglang(info, sgl.disabled("HiCache controller is not attached", page_size=64)) as server:
@@ -449,6 +450,7 @@ def bind_publishers(n: int, replay: bool) -> tuple[int, int | None, list[SglangE
     raise AssertionError("could not bind the publishers")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dp2-wildcard-mla", "dp1-no-l3-no-replay"])
 def test_bridge_announces_what_sglang_reports(sgl, nats_server, redis_server, redis_client, case):
     """The real `kvtier bridge --sglang-url` (no --endpoint, --page-size, --model, --dp-size):

@@ -195,6 +195,7 @@ def tiers(device=0, host=0, disk=0) -> dict:
     return {"device": device, "host": host, "disk": disk, "shared_beyond": 0, "predicted": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["map", "array"], ids=["map-0.5.23", "array-0.5.19"])
 def test_sglang_publisher_state_and_routing(kv, nats_server, redis_server, redis_client, encoding):
     """(a) SGLang 0.5.23's map events and (b) the tagged arrays of <= 0.5.19, each through
@@ -245,6 +246,7 @@ def test_sglang_publisher_state_and_routing(kv, nats_server, redis_server, redis
             stop_all(router)
 
 
+@pytest.mark.slow
 def test_missed_batches_come_back_from_sglang_replay_socket(kv, nats_server, redis_server, redis_client):
     """(c) Batches the bridge never saw on SGLang's PUB socket are recovered from SGLang's ROUTER
     replay socket, in the same epoch (no clear, not stale): sent before any bridge subscribed,
@@ -285,6 +287,7 @@ def test_missed_batches_come_back_from_sglang_replay_socket(kv, nats_server, red
         assert state["stale"] == "0" and state["last_epoch_reason"] == "bridge_start", state
 
 
+@pytest.mark.slow
 def test_dp_ranks_each_publish_on_base_plus_rank(kv, nats_server, redis_server, redis_client):
     """(d) Two SGLang publishers, attention-DP ranks 0 and 1, from one --kv-events-config with a
     topic (SGLang puts rank r on port base + r, PUB and replay), into one `kvtier bridge
@@ -327,6 +330,7 @@ def test_dp_ranks_each_publish_on_base_plus_rank(kv, nats_server, redis_server, 
         stop_all(*[p for p in (router, bridge, processor) if p is not None])
 
 
+@pytest.mark.slow
 def test_sglang_publisher_restart_starts_a_new_epoch(kv, nats_server, redis_server, redis_client):
     """(e) SGLang's publisher shut down and a new one started on the same ports (its seq starts
     from 0 again): the bridge begins a new epoch, the old engine's pages are cleared and the new
@@ -415,6 +419,7 @@ def test_loader_without_the_wheel_fails_naming_the_pip_command():
     assert "-m pip install --no-deps sglang==0.5.23" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_restart_hidden_behind_a_gap_starts_a_new_epoch(kv, nats_server, redis_server, redis_client):
     """(e') The engine restarts while the bridge is cut off (a partition, a slow reconnect): the
     new engine's first batches never reach the bridge, which next sees a seq *above* the one it
@@ -441,6 +446,7 @@ def test_restart_hidden_behind_a_gap_starts_a_new_epoch(kv, nats_server, redis_s
         after = run.state()
         assert int(after["epoch"]) > int(before["epoch"]) and after["stale"] == "0", (before, after)
 
+@pytest.mark.slow
 def test_eagle_bigram_pages_are_stored(kv, nats_server, redis_server, redis_client):
     """With speculative decoding (EAGLE) SGLang's radix keys are bigrams, and its event recorder
     (sglang/srt/mem_cache/events.py, `record_store`: "bigram pages expose tuples") publishes a

@@ -32,6 +32,7 @@ def redis_view(client, worker: str) -> dict[int, set[str]]:
     return {h: {t.value for t in tiers} for h, tiers in read_worker_pages(client, MODEL, worker).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_redis_reproduces_the_simulators_own_view(policy, nats_server, redis_server, redis_client):
     ranks = 2
@@ -112,6 +113,7 @@ def crafted_trace(path) -> None:
     path.write_text("\n".join(json.dumps(line) for line in lines))
 
 
+@pytest.mark.slow
 def test_policies_order_as_the_formula_predicts(tmp_path):
     trace = tmp_path / "crafted.jsonl"
     crafted_trace(trace)
@@ -133,6 +135,7 @@ def test_policies_order_as_the_formula_predicts(tmp_path):
     assert report["mode"] == "lockstep" and "oracle" in p
 
 
+@pytest.mark.slow
 def test_the_realtime_replay_reports_how_far_the_machine_fell_behind(tmp_path):
     """--realtime: the live pipeline on the wall clock. Its figures depend on the machine, so it
     says how late requests reached their engine and how many arrived out of trace order."""
@@ -153,6 +156,7 @@ def test_the_realtime_replay_reports_how_far_the_machine_fell_behind(tmp_path):
     assert "reached the worker" in out.stdout
 
 
+@pytest.mark.slow
 def test_demo_completes_and_writes_its_report(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--requests", "60", "--workers", "2",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=170)

@@ -117,6 +117,7 @@ def test_config_bounds():
     assert SoakConfig(minutes=10).sample_s == 5.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_soak_one_minute(tmp_path):
     plot = tmp_path / "soak.png"

@@ -4,6 +4,7 @@ electing its meta leader does) warn, keep retrying, and work once JetStream is t
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from kvtier.consumers.apply import read_worker_pages
@@ -15,6 +16,9 @@ from .helpers import bridge_process, model_ready, processor_process, stop_all, w
 
 MODEL = "org/late-jetstream"
 WAITING = "JetStream cannot set up the streams yet"
+
+
+pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not slow"` skips it
 
 
 def test_processor_and_bridge_wait_for_jetstream(redis_server):

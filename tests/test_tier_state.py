@@ -267,6 +267,7 @@ def index_equals_pages_sets(index, client: redis.Redis, workers) -> None:
 @given(history_ops=st.lists(op, max_size=40),
        requests=st.lists(st.lists(st.sampled_from(PAGES), min_size=1, max_size=10, unique=True), min_size=1,
                          max_size=6))
+@pytest.mark.slow
 def test_the_index_is_the_pages_sets_page_for_page(redis_server, redis_client, history_ops, requests):
     """Random histories through the processor's writer: an index that followed the feed
     throughout and one bootstrapped at the end both hold the pages sets exactly, and both

@@ -41,6 +41,7 @@ def whole(tokenizer: ModelTokenizer, text: str, special: bool) -> list[int]:
     return list(tokenizer._tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids)
 
 
+@pytest.mark.slow
 def test_the_deepseek_tokenizer_is_cached_exactly_or_not_at_all(tokenizers):
     cached, plain = tokenizers
     assert cached.piece_cache is not None and plain.piece_cache is None
@@ -60,6 +61,7 @@ def test_a_chat_tokenizes_as_one_full_encode(tokenizers, chat, tail):
     assert cached.encode_chat(chat) == plain.encode_chat(chat)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chats=st.lists(st.lists(message, min_size=1, max_size=4), min_size=1, max_size=6))
 def test_evictions_never_change_the_ids(folder, chats):
@@ -84,6 +86,7 @@ def test_a_next_turn_encodes_only_its_new_piece(tokenizers):
         assert cached.piece_cache.misses - before <= (3 if i == 0 else 2)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_strips_around_an_added_token_is_encoded_whole(folder, tmp_path):
     spec = json.loads(open(f"{folder}/tokenizer.json", encoding="utf-8").read())
     spec["added_tokens"][6]["rstrip"] = True  # <｜User｜> would eat the whitespace after it

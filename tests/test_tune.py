@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvtier.bench.synth_trace import SynthParams, generate, trace_stats
 from kvtier.bench.trace import load_trace, prepare
 from kvtier.bench.tune import OBJECTIVES, tune
@@ -15,6 +17,7 @@ from kvtier.schemas.routing import ScoringWeights
 SHAPE = ClusterShape(workers=3, page_size=64, device_pages=512, host_pages=512, l3=False)
 
 
+@pytest.mark.slow
 def test_tune_finds_settings_at_least_as_good_as_the_defaults_and_checks_them_held_out():
     requests = prepare(load_trace("synthetic:3", 150), SHAPE.page_size)
     report = tune(requests, SHAPE, budget=6, lag_s=0.005, seed=2, holdout=0.3)
@@ -31,6 +34,7 @@ def test_tune_finds_settings_at_least_as_good_as_the_defaults_and_checks_them_he
     assert tune(requests, SHAPE, budget=6, lag_s=0.005, seed=2, holdout=0.3) == report
 
 
+@pytest.mark.slow
 def test_tune_cli_prints_a_table_and_json():
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "tune", "--trace", "synthetic:3", "--requests", "80",
                           "--workers", "2", "--device-pages", "512", "--host-pages", "1024", "--budget", "3",
@@ -66,6 +70,7 @@ def test_synth_trace_cli_writes_a_mooncake_format_trace(tmp_path):
     assert json.loads(out.stderr.strip().splitlines()[-1])["stats"]["requests"] == 50
 
 
+@pytest.mark.slow
 def test_a_tuned_setting_replays_with_the_routers_flags():
     """`kvtier tune` prints `kvtier router` flags; `kvtier bench replay` takes the same flags, and
     they reach the policies (other weights route the same trace differently)."""
