@@ -294,7 +294,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelName | None = None
     #: Text, or token ids (used as they are: no tokenizer needed).
-    prompt: str | list[int]  # the ids each a TokenId: checked in __post_init__
+    prompt: str | list[int]  # the ids each a uint32: check_token_ids in __post_init__
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = 16

@@ -1,7 +1,7 @@
 """The router's wire types: the HTTP API (`/v1/route`, `/v1/release`) and the decision log
 (`kvtier.decisions.<model>` on JetStream). Declared once; the service decodes request bodies
 straight into these structs, so a wrong type, a negative token id or an unknown override
-name is refused with msgspec's path-precise message (e.g. "at `$.token_ids[3]`")."""
+name is refused with a path-precise message (e.g. "at `$.token_ids[3]`")."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class RouteOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    token_ids: list[int]  # each a TokenId: checked in __post_init__
+    token_ids: list[int]  # each a uint32: check_token_ids in __post_init__
     request_id: RequestId | None = None
     overrides: RouteOverrides | None = None
     #: Expected output tokens, booked as decode pages with the prompt (0 = prompt only).
@@ -218,7 +218,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """The fields of SGLang's native `/generate` body a proxying router reads; the body is
     forwarded unchanged, so every other field reaches the worker as the client sent it."""
 
-    input_ids: list[int]  # each a TokenId: checked in __post_init__
+    input_ids: list[int]  # each a uint32: check_token_ids in __post_init__
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     rid: RequestId | None = None
     stream: bool = False
