@@ -161,3 +161,25 @@ def test_events_subjects_parse_into_their_tokens():
     for other in ("kvtier.control.m.w", "kvtier.events.m", "kvtier.events.m.w.x", "kvtier.events.m.w.1.2",
                   "kvtier.events..w.1", "x.events.m.w.1"):
         assert parse_events_subject(other) is None, other
+
+
+@pytest.mark.parametrize("kind, field, extra", [
+    ("route", "token_ids", {"model": "m"}),
+    ("generate", "input_ids", {}),
+    ("completion", "prompt", {"model": "m"}),
+])
+def test_token_ids_outside_uint32_are_refused_with_their_path(kind, field, extra):
+    """Token ids in request bodies are decoded as plain ints and checked as uint32 after
+    (schemas/routing.py check_token_ids): the same refusal, at the same path, as a bound."""
+    from kvtier.schemas.openai import CompletionRequest
+    from kvtier.schemas.routing import GenerateRequest, RouteRequest
+
+    decoder = msgspec.json.Decoder({"route": RouteRequest, "generate": GenerateRequest,
+                                    "completion": CompletionRequest}[kind])
+    for bad in (-2, 1 << 32, 1 << 70):
+        with pytest.raises(msgspec.ValidationError, match=rf"got {bad} - at `\$\.{field}\[1\]`"):
+            decoder.decode(msgspec.json.encode({**extra, field: [0, bad, 3]}))
+    ok = decoder.decode(msgspec.json.encode({**extra, field: [0, (1 << 32) - 1]}))
+    assert getattr(ok, field) == [0, (1 << 32) - 1]
+    with pytest.raises(msgspec.ValidationError, match=rf"Expected `int`, got `bool` - at `\$\.{field}\[0\]`"):
+        decoder.decode(msgspec.json.encode({**extra, field: [True]}))
