@@ -1,4 +1,4 @@
-"""`kvtier sim-worker`'s own HTTP bodies (producers/sim_worker.py), and what its clients (the
+"""`kvtier sim-worker`'s own HTTP bodies (kvtier/sim/sim_worker.py), and what its clients (the
 benchmarks, `kvtier probe hicache`, tests) send it.
 
 The endpoints it shares with SGLang or Mooncake are declared with theirs, so that the

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import redis
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
-from kvtier.producers.synthetic import HiCacheWorkload, ReferenceModel  # re-exported for tests
 from kvtier.schemas.sglang import SglangEvent
+from kvtier.sim.synthetic import HiCacheWorkload, ReferenceModel  # re-exported for tests
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05,
@@ -184,7 +184,7 @@ class RunningPipeline:
     def __init__(self, nats_url: str, redis_url: str, model: str, worker: str = "w0",
                  bridge_args: tuple[str, ...] = (), processor_args: tuple[str, ...] = (), publisher=None,
                  wait_announced: bool = True):
-        from kvtier.producers.sglang_publisher import SglangEventPublisher
+        from kvtier.sim.sglang_publisher import SglangEventPublisher
 
         self.nats_url, self.redis_url, self.model, self.worker = nats_url, redis_url, model, worker
         self.bridge_args, self.processor_args = bridge_args, processor_args

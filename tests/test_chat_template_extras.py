@@ -301,7 +301,7 @@ def test_a_proxied_chat_with_tools_is_tokenized_as_the_engine_does_and_an_image_
     import redis
 
     from kvtier.harness.embedded import NatsServer, RedisServer, free_port
-    from kvtier.producers.sim_worker import free_port_block
+    from kvtier.sim.sim_worker import free_port_block
 
     from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
     from .router_helpers import RouterProcess, answers, http

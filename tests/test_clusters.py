@@ -15,12 +15,12 @@ import pytest
 
 from kvtier.consumers.ownership import PartitionLeases, partition_key
 from kvtier.plumbing.connections import redis_client
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import DLQ_STREAM, EVENTS_STREAM
 from kvtier.schemas.tiers import Tier
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .cluster_helpers import NatsCluster, RedisCluster
 from .helpers import (

@@ -19,11 +19,11 @@ import pytest
 import redis
 
 from kvtier.harness.embedded import NatsServer, RedisServer, ServerStartError, free_port
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.router_health import RouterHealth
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 from kvtier.tools.doctor import judge, views
 from kvtier.tools.doctor import observe as observing
 from kvtier.tools.doctor import report as reporting

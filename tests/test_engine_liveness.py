@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.harness.embedded import free_port
-from kvtier.producers.sim_worker import free_port_block
 from kvtier.schemas.state_keys import ModelKeys
+from kvtier.sim.sim_worker import free_port_block
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until
 

@@ -13,9 +13,9 @@ import redis as redis_lib
 
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
 from kvtier.harness.embedded import NatsServer, RedisServer, free_port
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.sglang import BlockRemoved, BlockStored
 from kvtier.schemas.subjects import control_subject
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .helpers import (
     HiCacheWorkload,

@@ -12,12 +12,12 @@ import pytest
 
 from kvtier.consumers.hash_check import HashValidator
 from kvtier.harness.embedded import free_port
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.events import EpochReason, EventBatch
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.health import HashMismatchKind, decode_hash_check
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.state_keys import ModelKeys
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .helpers import (
     bridge_process,
@@ -211,7 +211,7 @@ def test_mismatched_publisher_is_caught_end_to_end(nats_server, redis_server, re
 def test_simulator_events_pass_the_check():
     """The simulated HiCache worker (demo, replay bench) hashes like SGLang: nothing flagged,
     and children are verified through their parents, not just root pages."""
-    from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
+    from kvtier.sim.hicache_sim import HiCacheSim, SimConfig
 
     sim = HiCacheSim(SimConfig(page_size=PAGE, device_pages=64, host_pages=128))
     validator = HashValidator()

@@ -7,8 +7,11 @@ import random
 
 import pytest
 
-from kvtier.producers.cost_model import CostModel
-from kvtier.producers.hicache_sim import (
+from kvtier.schemas.hashes import block_hash_of_digest, sglang_block_hashes, sglang_page_digests
+from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
+from kvtier.schemas.tiers import Tier
+from kvtier.sim.cost_model import CostModel
+from kvtier.sim.hicache_sim import (
     _NONE,
     GPU,
     HOST,
@@ -17,10 +20,7 @@ from kvtier.producers.hicache_sim import (
     InMemorySharedPool,
     SimConfig,
 )
-from kvtier.producers.synthetic import ReferenceModel
-from kvtier.schemas.hashes import block_hash_of_digest, sglang_block_hashes, sglang_page_digests
-from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
-from kvtier.schemas.tiers import Tier
+from kvtier.sim.synthetic import ReferenceModel
 
 PS = 4
 A = list(range(10))  # two full pages and a partial one

@@ -164,6 +164,27 @@ def test_plumbing_and_the_services_never_reach_up_to_tools_commands_or_benches()
     assert not harness_out, "harness imports beyond plumbing and schemas:\n  " + "\n  ".join(harness_out)
 
 
+def test_the_simulators_stand_beside_the_services():
+    """kvtier/sim/ (the simulated engines) is driven by the benches, the commands and the tests;
+    the services never import it, and it imports only what they may (schemas, plumbing, harness):
+    a simulated rank reaches the bridge over SGLang's wire format, as SGLang does."""
+    graph = import_graph()
+    services = ("kvtier.producers", "kvtier.consumers", "kvtier.router", "kvtier.plumbing", "kvtier.harness",
+                "kvtier.schemas")
+
+    def within(module: str, packages) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
+
+    assert any(within(m, ("kvtier.sim",)) for m in graph), "kvtier/sim/ not found by the graph"
+    into = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, services)
+                  for t in targets if within(t, ("kvtier.sim",)))
+    assert not into, "a service imports the simulators:\n  " + "\n  ".join(into)
+    out = sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, ("kvtier.sim",))
+                 for t in targets if not within(t, ("kvtier.sim", "kvtier.plumbing", "kvtier.harness",
+                                                    "kvtier.schemas")))
+    assert not out, "the simulators import beyond schemas, plumbing and harness:\n  " + "\n  ".join(out)
+
+
 def test_the_graph_is_the_real_one():
     """The check above is not vacuous: the mapping finds the modules and their imports."""
     modules = module_files()

@@ -32,10 +32,10 @@ from kvtier.bench.trace import (
     prepare,
 )
 from kvtier.bench.trace_replay import ReplaySettings, add_gap_closed, build_report, verdict
-from kvtier.producers.cost_model import CostModel
-from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
-from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
+from kvtier.sim.cost_model import CostModel
+from kvtier.sim.hicache_sim import HiCacheSim, SimConfig
+from kvtier.sim.sim_cluster import ClusterShape
 
 
 def prepared(pages: list[list[bytes]], tokens_per_page: int = 4) -> list[PreparedRequest]:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from kvtier.harness.embedded import free_port
 from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
-from kvtier.producers.sim_worker import free_port_block
+from kvtier.sim.sim_worker import free_port_block
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
 from .router_helpers import RouterProcess, answers, http

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from kvtier.consumers.apply import read_page_holders, read_worker_pages
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.tiers import tiers_of_bits
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .helpers import (
     HiCacheWorkload,

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 
 from kvtier.harness.embedded import free_port
-from kvtier.producers.sim_worker import free_port_block
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang_server import GenerateMetaInfo, decode_generate_meta_info
 from kvtier.schemas.tiers import Tier
+from kvtier.sim.sim_worker import free_port_block
 from kvtier.tools.probe import (
     CachedTokens,
     Evidence,

@@ -17,7 +17,6 @@ import pytest
 
 from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.plumbing.streams import StreamSettings, ensure_streams
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.events import (
     BridgeCursor,
     EpochReason,
@@ -32,6 +31,7 @@ from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import EVENTS_STREAM, control_subject, events_subject
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import WorkerMetadata
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .helpers import bridge_process, processor_process, stop_all, wait_until
 from .router_helpers import RouterProcess, StateSeeder, http, request_tokens

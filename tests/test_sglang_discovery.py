@@ -42,12 +42,12 @@ from kvtier.producers.sglang_discovery import (
     fetch,
     manual_settings,
 )
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang import BlockStored
 from kvtier.schemas.sglang_server import L3CacheLayout, ServerInfo
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout, WorkerMetadata
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
 from .sglang_loader import load_kv_events, sglang_version

@@ -14,7 +14,7 @@ from kvtier.bench.bounds import infinite_cache
 from kvtier.bench.trace import TraceRequest, block_tokens, load_trace, prepare, trace_tokens
 from kvtier.consumers.apply import read_worker_pages
 from kvtier.harness.embedded import free_port
-from kvtier.producers.sim_worker import free_port_block
+from kvtier.sim.sim_worker import free_port_block
 
 from .helpers import KvtierProcess, processor_process, stop_all, wait_until, worker_announced
 from .router_helpers import answers, http

@@ -9,8 +9,8 @@ import redis
 
 from kvtier.consumers.apply import read_worker_pages
 from kvtier.harness.embedded import NatsServer
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.sglang import BlockStored
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 from .helpers import bridge_process, model_ready, processor_process, stop_all, wait_until, worker_announced
 

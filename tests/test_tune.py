@@ -11,8 +11,8 @@ import pytest
 from kvtier.bench.synth_trace import SynthParams, generate, trace_stats
 from kvtier.bench.trace import load_trace, prepare
 from kvtier.bench.tune import OBJECTIVES, tune
-from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.schemas.routing import ScoringWeights
+from kvtier.sim.sim_cluster import ClusterShape
 
 SHAPE = ClusterShape(workers=3, page_size=64, device_pages=512, host_pages=512, l3=False)
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier.bench.trace import PreparedRequest
-from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.schemas.hashes import PageDigest
+from kvtier.sim.sim_cluster import ClusterShape
 
 
 @dataclass(frozen=True)

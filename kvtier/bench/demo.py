@@ -42,7 +42,7 @@ from kvtier.bench.trace_replay import (
     shape_from_args,
     verdict,
 )
-from kvtier.producers.sim_cluster import ClusterShape
+from kvtier.sim.sim_cluster import ClusterShape
 
 MIN_FREE_MEMORY = 2 << 30
 DEMO_TRACE = "synthetic:1"

@@ -2,8 +2,8 @@
 stream, then a page-for-page check that the tier state came out exact.
 
 The pipeline is the real one, every part in its own process: simulated HiCache engines
-(`producers/hicache_sim.py`, one per worker) publish SGLang's ZMQ wire format (PUB + replay
-ROUTER, `producers/sglang_publisher.py`) from this process; one `kvtier bridge` per worker
+(`kvtier/sim/hicache_sim.py`, one per worker) publish SGLang's ZMQ wire format (PUB + replay
+ROUTER, `kvtier/sim/sglang_publisher.py`) from this process; one `kvtier bridge` per worker
 forwards them to a real nats-server (JetStream on file storage); one or two `kvtier
 processor`s (static partition halves) apply them to a real Redis-protocol server (AOF on,
 except once). Faults, one at a time, each followed by a wait for recovery:
@@ -54,11 +54,11 @@ import redis
 from kvtier.bench.processes import KvtierSubprocess
 from kvtier.consumers.apply import read_worker_pages
 from kvtier.harness.embedded import NatsServer, RedisServer
-from kvtier.producers.hicache_sim import HiCacheSim, SimConfig
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.jetstream import PullRequest, encode_pull_request
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys
 from kvtier.schemas.subjects import EVENTS_STREAM, partition_of, pull_next_subject, subject_token
+from kvtier.sim.hicache_sim import HiCacheSim, SimConfig
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 MODEL = "bench-faults"
 KINDS = ("processor_kill", "processor_pause", "bridge_kill", "nats_kill", "redis_kill", "redis_loss",

@@ -1236,7 +1236,7 @@ class BridgeStack:
     def __init__(self, nats_url: str, redis_url: str):
         import redis
 
-        from kvtier.producers.sglang_publisher import SglangEventPublisher
+        from kvtier.sim.sglang_publisher import SglangEventPublisher
 
         self.nats_url = nats_url
         self.client = redis.Redis.from_url(redis_url)

@@ -25,9 +25,9 @@ import msgspec
 
 from kvtier.bench.policies import CandidateView, Decision, Policy, oracle_choice
 from kvtier.bench.trace import PreparedRequest
-from kvtier.producers.sim_cluster import ClusterShape, RankTruth, SimCluster
 from kvtier.router import scoring
 from kvtier.schemas.routing import ScoringWeights
+from kvtier.sim.sim_cluster import ClusterShape, RankTruth, SimCluster
 
 #: Why a policy did not choose the oracle's rank (breakdown keys, in the order they are tested).
 REASONS = {

@@ -28,10 +28,10 @@ from kvtier.bench import clients
 from kvtier.bench.policies import CandidateView, Decision, worker_id
 from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.bench.trace import PreparedRequest
-from kvtier.producers.sim_cluster import SimCluster
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
+from kvtier.sim.sim_cluster import SimCluster
 
 #: How long the driver waits for the pipeline to apply a batch before calling it broken.
 CATCH_UP_TIMEOUT_S = 60.0
@@ -90,8 +90,8 @@ class PipelinePolicy:
 
         from kvtier.harness.embedded import free_port
         from kvtier.plumbing.connections import redis_async_client
-        from kvtier.producers.sglang_publisher import SglangEventPublisher
-        from kvtier.producers.sim_worker import free_port_block, pool_query_response
+        from kvtier.sim.sglang_publisher import SglangEventPublisher
+        from kvtier.sim.sim_worker import free_port_block, pool_query_response
 
         zmq_base, replay_base = free_port_block(self.workers), free_port_block(self.workers)
         self.publishers = [SglangEventPublisher(f"tcp://127.0.0.1:{zmq_base + r}",

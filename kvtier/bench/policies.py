@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.bench.trace import PreparedRequest
-from kvtier.producers.hicache_sim import ServeResult
-from kvtier.producers.sim_cluster import RankTruth, SimCluster
 from kvtier.router import scoring
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.schemas.tiers import Tier, tier_of_medium
+from kvtier.sim.hicache_sim import ServeResult
+from kvtier.sim.sim_cluster import RankTruth, SimCluster
 
 #: Per-request overrides of the `device_only` policy (scoring ignores every other tier).
 DEVICE_ONLY = {"host_cache_hit_weight": 0.0, "disk_cache_hit_weight": 0.0, "shared_cache_multiplier": 0.0}

@@ -107,7 +107,7 @@ def start_sim_workers(count: int, work: str, nats_url: str, model: str, page_siz
     """`count` sim-workers serving the OpenAI API with `tokenizer`, each with its bridge (worker
     ids w0, w1, ...): (their URLs as a bridge's --worker-url, the sim-workers, the bridges)."""
     from kvtier.harness.embedded import free_port
-    from kvtier.producers.sim_worker import free_port_block
+    from kvtier.sim.sim_worker import free_port_block
 
     quiet = ["--log-level", "WARNING"]
     urls, sims, bridges = [], [], []

@@ -20,11 +20,11 @@ from kvtier.bench import clients
 from kvtier.bench.policies import DEVICE_ONLY
 from kvtier.bench.processes import KvtierSubprocess, wait_announced, wait_http
 from kvtier.bench.trace import TraceRequest, trace_tokens
-from kvtier.producers.cost_model import COST_FLAGS
-from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.sglang_server import GenerateMetaInfo, SamplingParams
 from kvtier.schemas.sim import SimGenerateBody
+from kvtier.sim.cost_model import COST_FLAGS
+from kvtier.sim.sim_cluster import ClusterShape
 
 ROUTED = {"least_load", "device_only", "tier_aware", "tier_aware_shared"}
 
@@ -110,7 +110,7 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
     import redis as redis_sync
 
     from kvtier.harness.embedded import free_port
-    from kvtier.producers.sim_worker import free_port_block
+    from kvtier.sim.sim_worker import free_port_block
 
     model = f"replay-{policy}"
     zmq_base = free_port_block(shape.workers)

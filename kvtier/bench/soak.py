@@ -656,7 +656,7 @@ class Soak:
 
     def start_stack(self, nats_url: str, redis_url: str) -> None:
         from kvtier.harness.embedded import free_port
-        from kvtier.producers.sim_worker import free_port_block
+        from kvtier.sim.sim_worker import free_port_block
 
         cfg = self.cfg
         common = ["--log-level", "WARNING"]

@@ -47,9 +47,9 @@ from kvtier.bench.policies import (
     RouterModel,
 )
 from kvtier.bench.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
-from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.router.weight_flags import scoring_weights_from
 from kvtier.schemas.routing import ScoringWeights
+from kvtier.sim.sim_cluster import ClusterShape
 
 POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle")
 KVTIER_POLICIES = ("least_load", "device_only", "tier_aware", "tier_aware_shared")
@@ -345,7 +345,7 @@ def progress_bar(stream=sys.stderr):
 
 
 def shape_from_args(args) -> ClusterShape:
-    from kvtier.producers.cost_model import cost_model_from_args
+    from kvtier.sim.cost_model import cost_model_from_args
 
     return ClusterShape(workers=args.workers, page_size=args.page_size, device_pages=args.device_pages,
                         host_pages=args.host_pages, write_policy=args.write_policy, l3=not args.no_l3,

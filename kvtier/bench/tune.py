@@ -24,8 +24,8 @@ import msgspec
 from kvtier.bench.lockstep import run_lockstep
 from kvtier.bench.policies import OraclePolicy, RoundRobinPolicy, RouterModel
 from kvtier.bench.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
-from kvtier.producers.sim_cluster import ClusterShape
 from kvtier.schemas.routing import ScoringWeights
+from kvtier.sim.sim_cluster import ClusterShape
 
 OBJECTIVES = {"ttft_p50": "ttft_p50_ms", "ttft_p99": "ttft_p99_ms", "recomputed": "recomputed_tokens"}
 

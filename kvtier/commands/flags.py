@@ -15,7 +15,7 @@ import sys
 
 from kvtier.plumbing.log_limit import limit_log_rate
 from kvtier.plumbing.streams import DEFAULT_PARTITIONS, StreamSettings
-from kvtier.producers.cost_model import add_cost_model_arguments
+from kvtier.sim.cost_model import add_cost_model_arguments
 
 
 def env_name(flag: str) -> str:

@@ -1,11 +1,11 @@
-"""`kvtier sim-worker`: simulated SGLang HiCache workers (producers/sim_worker.py)."""
+"""`kvtier sim-worker`: simulated SGLang HiCache workers (kvtier/sim/sim_worker.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from kvtier.commands.flags import add_common, non_negative_float, positive_int, run_until_signal
-from kvtier.producers.cost_model import add_cost_model_arguments, cost_model_from_args
+from kvtier.sim.cost_model import add_cost_model_arguments, cost_model_from_args
 
 
 def register(sub) -> None:
@@ -47,8 +47,8 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from kvtier.producers.hicache_sim import SimConfig
-    from kvtier.producers.sim_worker import SimWorkerConfig, run_sim_worker
+    from kvtier.sim.hicache_sim import SimConfig
+    from kvtier.sim.sim_worker import SimWorkerConfig, run_sim_worker
 
     host_pages = args.host_pages if args.host_pages is not None else int(args.device_pages * args.hicache_ratio)
     sim = SimConfig(page_size=args.page_size, device_pages=args.device_pages, host_pages=host_pages,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from kvtier.harness.embedded import free_port
 from kvtier.harness.mooncake import query_keys
-from kvtier.producers.sim_worker import free_port_block
 from kvtier.router.hashing import RequestPages
 from kvtier.schemas.mooncake import mooncake_object_keys
 from kvtier.schemas.worker import MooncakeLayout
+from kvtier.sim.sim_worker import free_port_block
 
 from ..helpers import KvtierProcess, stop_all, wait_until
 from ..router_helpers import answers, http, request_tokens

@@ -18,10 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.producers.cost_model import CostModel
 from kvtier.schemas.hashes import BlockHash, PageDigest, block_hash_of_digest, sglang_page_digests
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored, SglangEvent
 from kvtier.schemas.tiers import Tier
+from kvtier.sim.cost_model import CostModel
 
 GPU, HOST = "GPU", "CPU_PINNED"
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")

@@ -11,7 +11,7 @@ consumes them unchanged. Requests come over HTTP:
             {"device", "host", "l3"}, "recomputed_tokens", "queue_s", "ttft_s", "e2e_latency",
             "arrived_behind_s"}}
         (schemas/sglang_server.py `GenerateReply`, the type SGLang's reply is decoded with)
-        Times are simulated seconds from producers/cost_model.py (docs/COST_MODEL.md).
+        Times are simulated seconds from kvtier/sim/cost_model.py (docs/COST_MODEL.md).
         "arrived_behind_s" > 0: the rank already served a request with a later "now" (the
         caller's requests reached it out of order), so this one queued behind later work.
         Other fields of SGLang's native body (sampling_params, ...) are ignored. Without
@@ -57,8 +57,6 @@ import msgspec
 from aiohttp import web
 
 from kvtier.plumbing.tokenizer import ChatTemplateError, ModelTokenizer
-from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, SharedPool, SimConfig
-from kvtier.producers.sglang_publisher import SglangEventPublisher
 from kvtier.schemas.hashes import PageDigest
 from kvtier.schemas.mooncake import BatchQueryReply, KeyStatus
 from kvtier.schemas.openai import (
@@ -79,6 +77,8 @@ from kvtier.schemas.openai import (
 from kvtier.schemas.routing import ErrorBody
 from kvtier.schemas.sglang_server import CachedTokensDetails, GenerateMetaInfo, GenerateReply
 from kvtier.schemas.sim import AdvanceBody, AdvanceReply, FlushReply, RankTiers, SimGenerateBody, SimHealth
+from kvtier.sim.hicache_sim import HiCacheSim, InMemorySharedPool, SharedPool, SimConfig
+from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 log = logging.getLogger("kvtier.sim")
 

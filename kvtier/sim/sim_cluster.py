@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvtier.producers.cost_model import CostModel
-from kvtier.producers.hicache_sim import HiCacheSim, InMemorySharedPool, ServeResult, SimConfig
 from kvtier.schemas.hashes import PageDigest
 from kvtier.schemas.sglang import SglangEvent
+from kvtier.sim.cost_model import CostModel
+from kvtier.sim.hicache_sim import HiCacheSim, InMemorySharedPool, ServeResult, SimConfig
 
 
 @dataclass(frozen=True)
