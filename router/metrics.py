@@ -101,6 +101,10 @@ class RouterMetrics:
                                  "1 while the model's index follows the feed (decisions read it), 0 while it "
                                  "bootstraps (decisions walk in Redis)", ["model"],
                                  multiprocess_mode="livemin", registry=r)
+        self.tokenizer_cache_bytes = Gauge("router_tokenizer_cache_bytes",
+                                           "What the tokenizer's piece cache holds (bytes, as it counts them "
+                                           "against --tokenizer-cache-mb), per model", ["model"],
+                                           multiprocess_mode="livesum", registry=r)
         self.tokenize_seconds = Histogram("router_tokenize_seconds",
                                           "Tokenizing an OpenAI-API request (chat template included), in the pool",
                                           buckets=_LATENCY_BUCKETS, registry=r)

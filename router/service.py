@@ -284,7 +284,13 @@ class RouterService:
             await asyncio.sleep(self.settings.housekeeping_s)
             await self.router.housekeeping()
             self._export_circuits()
+            self._export_tokenizer_caches()
             await self.router.start_indexes(quiet=True)  # models that appeared since
+
+    def _export_tokenizer_caches(self) -> None:
+        for model, tokenizer in self._tokenizers.items():
+            if (cache := tokenizer.piece_cache) is not None:
+                self.metrics.tokenizer_cache_bytes.labels(model).set(cache.bytes)
 
     def _refuse_unauthorized(self, request: web.Request, token: str) -> web.Response | None:
         """Bearer-token check before anything else (the body is not even read): every path but

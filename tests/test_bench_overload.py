@@ -34,3 +34,5 @@ def test_bench_overload_short_loses_nothing():
     assert report["refused"] > 0 and report["completed_high"] > 0, report  # 2x was more than it could take
     assert report["oversized_refused_413"] == report["oversized_sent"] == 3, report
     assert report["capacity_requests_per_s"] > 0 and report["queue_peak"] > 0, report
+    # the piece cache, read from the replica's router_tokenizer_cache_bytes, held prompts and its bound
+    assert 0 < report["tokenizer_cache_mb_end"] <= report["tokenizer_cache_bound_mb"], report

@@ -20,8 +20,11 @@ event).
 
 Memory: each replica's RSS before any load, at the start of the 2x phase and at its end, beside
 its index's entries. The sim-workers' pools are small (`--device-pages`) so they are full, and
-evicting, by the end of the 0.8x phase: from there on the pages the index mirrors stay level,
-and what the RSS does is the router's own.
+evicting, by the end of the 0.8x phase, and so is each router's tokenizer piece cache
+(`--tokenizer-cache-mb`: every prompt is new text, kept whole until the cache's bound evicts it;
+at the routers' default of 256 MiB it alone would grow the RSS through the whole run): from
+there on the pages the index mirrors and the ids the cache keeps stay level, and what the RSS
+does is the router's own. The cache's bytes are reported beside the RSS.
 """
 
 from __future__ import annotations
@@ -176,6 +179,18 @@ async def _index_entries(session, router: str) -> int | None:
     return sum(index["entries"] for index in health["indexes"]) if health else None
 
 
+async def _tokenizer_cache_mb(session, router: str) -> float | None:
+    """The replica's router_tokenizer_cache_bytes (one model), in MiB; None if it is gone."""
+    try:
+        async with session.get(router + "/metrics", timeout=2) as r:
+            text = (await r.read()).decode()
+    except Exception:  # noqa: BLE001 - a replica that is gone has no metrics
+        return None
+    held = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("router_tokenizer_cache_bytes{")]
+    return round(sum(held) / (1 << 20), 2) if held else None
+
+
 async def _drive(stack: _Stack, args) -> dict:
     import aiohttp
 
@@ -202,6 +217,7 @@ async def _drive(stack: _Stack, args) -> dict:
         # cluster's cache filling, which it must mirror, not a leak.
         rss_start = [rss_mb(p.live_pid) for p in stack.router_procs]
         entries_start = await _index_entries(session, stack.routers[0])
+        cache_start = await _tokenizer_cache_mb(session, stack.routers[0])
         rss_samples = [("2x at 0%", rss_start[0])]
 
         def sample(label: str):
@@ -247,6 +263,7 @@ async def _drive(stack: _Stack, args) -> dict:
                 peaks.append(health["queue"]["peak"])
         rss_end = [rss_mb(p.live_pid) for p in stack.router_procs]
         entries_end = await _index_entries(session, stack.routers[0])
+        cache_end = await _tokenizer_cache_mb(session, stack.routers[0])
         closed_by_router = 0
         for s in idle:
             s.setblocking(False)
@@ -288,6 +305,8 @@ async def _drive(stack: _Stack, args) -> dict:
         "rss_start_mb": rss_start, "rss_end_mb": rss_end, "survivor_rss_growth": rss_growth,
         "survivor_rss_samples_mb": rss_samples, "rss_before_load_mb": rss_before_load,
         "index_entries_start": entries_start, "index_entries_end": entries_end,
+        "tokenizer_cache_mb_start": cache_start, "tokenizer_cache_mb_end": cache_end,
+        "tokenizer_cache_bound_mb": args.tokenizer_cache_mb,
         "lost_details": lost_details,
         "failed_before_first_byte_details": sorted({o.detail for o in measured
                                                     if o.kind == "failed_before_first_byte"})[:5],
@@ -339,7 +358,8 @@ def run_overload_bench(args) -> int:
                     ["router", "--redis", server.url, "--http-port", str(port), "--proxy", "--tokenizer",
                      f"{MODEL}={tokenizer}", "--busy-prefill-tokens", str(args.busy_prefill_tokens),
                      "--queue-timeout", str(args.queue_timeout), "--max-prompt-bytes", str(args.max_prompt_bytes),
-                     "--drain-timeout", "10", *quiet], work, f"router-{i}")
+                     "--drain-timeout", "10", "--tokenizer-cache-mb", str(args.tokenizer_cache_mb), *quiet],
+                    work, f"router-{i}")
                 processes.append(proc)
                 router_procs.append(proc)
                 routers.append(f"http://127.0.0.1:{port}")
@@ -378,7 +398,9 @@ def _print(r: dict) -> None:
           f"of {r['idle_sockets_opened']}; oversized prompts refused 413: {r['oversized_refused_413']} of "
           f"{r['oversized_sent']}")
     print(f"  router RSS MB before any load {r['rss_before_load_mb']}; at the start of 2x (index "
-          f"{r['index_entries_start']} entries) {r['rss_start_mb']}, at the end ({r['index_entries_end']} entries) "
+          f"{r['index_entries_start']} entries, tokenizer cache {r['tokenizer_cache_mb_start']} of "
+          f"{r['tokenizer_cache_bound_mb']} MiB) {r['rss_start_mb']}, at the end ({r['index_entries_end']} entries, "
+          f"cache {r['tokenizer_cache_mb_end']} MiB) "
           f"{r['rss_end_mb']} "
           f"(survivor {r['survivor_rss_growth'] * 100:+.1f}%); survivor through the run: "
           + ", ".join(f"{label} {mb:.1f}" for label, mb in r["survivor_rss_samples_mb"] if mb is not None))

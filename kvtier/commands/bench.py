@@ -133,6 +133,10 @@ def register(sub) -> None:
     ov.add_argument("--device-pages", type=positive_int, default=1024,
                     help="Each sim-worker's GPU pool in pages (its host pool twice that): small enough to fill "
                          "during the 0.8x phase, so the routers' indexes are full when memory is first measured.")
+    ov.add_argument("--tokenizer-cache-mb", type=positive_float, default=4.0,
+                    help="The routers' --tokenizer-cache-mb: small enough to be full by the end of the 0.8x phase "
+                         "(every prompt is new text, kept whole), so what the RSS does at 2x is not a cache filling "
+                         "to its bound.")
     ov.add_argument("--busy-prefill-tokens", type=positive_int, default=4096,
                     help="The routers' --busy-prefill-tokens (default: 2 prompts queued per worker).")
     ov.add_argument("--queue-timeout", type=positive_float, default=0.25, help="The routers' --queue-timeout.")
