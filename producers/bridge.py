@@ -10,6 +10,9 @@ Per DP rank (port base + r) one `RankBridge` keeps the worker's order end to end
   the last batch it forwarded (same seq, same ts): no state is dropped for a bridge restart;
 - a heartbeat announces metadata and extends the worker's lease, only while the engine
   answers its health endpoint (with a worker URL): a dead engine's lease runs out.
+
+Its settings are in bridge_config.py, the engine's health check in engine_health.py, and the
+cutting of events into messages the server accepts in message_chunks.py.
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 
-import aiohttp
 import msgspec
 import nats
 import nats.errors
@@ -28,8 +29,23 @@ import nats.js.errors
 import zmq.asyncio
 from prometheus_client import Counter, Gauge
 
-from kvtier.plumbing.streams import StreamSettings, connect_nats, dead_letter_headers, ensure_streams_when_ready
-from kvtier.producers.convert import convert_batch, encoded_size_bound, source_timestamp, split_to_fit
+from kvtier.plumbing.streams import connect_nats, dead_letter_headers, ensure_streams_when_ready
+from kvtier.producers.bridge_config import BridgeConfig, rank_configs
+from kvtier.producers.convert import convert_batch, source_timestamp
+
+# Re-exported: `kvtier bridge` builds its EngineHealthCheck from here, and the dashboards test reads
+# every bridge metric from this module.
+from kvtier.producers.engine_health import (  # noqa: F401
+    ENGINE_HEALTH_FAILURES,
+    ENGINE_UP,
+    EngineHealthCheck,
+    EngineProbe,
+)
+
+# Under their old private names, which the fuzz bench and tests import from here.
+from kvtier.producers.message_chunks import ENVELOPE_BYTES as _ENVELOPE_BYTES
+from kvtier.producers.message_chunks import chunk_by_pages as _chunk_by_pages
+from kvtier.producers.message_chunks import max_payload
 from kvtier.producers.sglang_source import (
     RawBatch,
     ReplaySocketClient,
@@ -58,7 +74,6 @@ from kvtier.schemas.subjects import (
     events_subject,
     stored_events_subject_pattern,
 )
-from kvtier.schemas.worker import WorkerMetadata
 
 log = logging.getLogger("kvtier.bridge")
 
@@ -76,128 +91,6 @@ START_REPLAY_ATTEMPTS = 3
 DUPLICATES = Counter("kvtier_bridge_duplicate_publishes_total",
                      "Batches the stream dropped as duplicates of a message this bridge did not send", ["worker"])
 LAST_SEQ = Gauge("kvtier_bridge_last_engine_seq", "Last engine seq forwarded", ["worker"])
-ENGINE_UP = Gauge("kvtier_bridge_engine_up",
-                  "1 while the engine answers its health endpoint, 0 while it does not (its workers' leases are "
-                  "then not renewed)", ["worker"])
-ENGINE_HEALTH_FAILURES = Counter("kvtier_bridge_engine_health_failures_total",
-                                 "Engine health checks that failed (reason: unreachable, timeout, status)",
-                                 ["worker", "reason"])
-
-
-@dataclass(frozen=True)
-class EngineHealthCheck:
-    """GET `url` must answer 2xx within `timeout_s` for the worker's lease to be renewed."""
-
-    url: str
-    timeout_s: float
-
-
-@dataclass
-class BridgeConfig:
-    endpoint: str
-    worker_id: str
-    model: str
-    page_size: int
-    nats_url: str
-    replay_endpoint: str = ""
-    topic: str = ""
-    dp_rank: int = 0
-    dp_size: int = 1
-    engine_worker_id: str = ""
-    tp_size: int = 1
-    pp_size: int = 1
-    mooncake_attention: str = "mha"
-    mooncake_key_prefix: str = ""
-    #: SGLang's --hicache-storage-backend: only a worker with an L3 backend can fetch pages
-    #: from the shared pool, so only then is its Mooncake layout announced.
-    hicache_storage_backend: str = "none"
-    http_endpoint: str = ""
-    hicache_enabled: bool | None = None
-    hicache_write_policy: str = ""
-    #: The engine's version, when learned from its /server_info (`--sglang-url`).
-    engine_version: str = ""
-    heartbeat_s: float = 2.0
-    lease_ttl_s: float = 10.0
-    #: None: the lease is renewed whatever the engine does (no worker URL, or the check is off).
-    engine_health: EngineHealthCheck | None = None
-    max_batches_per_message: int = 512
-    max_pages_per_message: int = 16384
-    keep_token_ids: bool = True
-    replay_timeout_s: float = 3.0
-    resync_min_interval_s: float = 2.0
-    streams: StreamSettings = field(default_factory=StreamSettings)
-    partitions_explicit: bool = False
-
-    def metadata(self) -> WorkerMetadata:
-        from kvtier.schemas.worker import AttentionKind, MooncakeLayout
-
-        return WorkerMetadata(
-            worker_id=self.worker_id, model=self.model,
-            engine_worker_id=self.engine_worker_id or self.worker_id,
-            dp_rank=self.dp_rank, dp_size=self.dp_size, page_size=self.page_size,
-            tp_size=self.tp_size, pp_size=self.pp_size,
-            mooncake=MooncakeLayout(attention=AttentionKind(self.mooncake_attention), tp_size=self.tp_size,
-                                    pp_size=self.pp_size, key_prefix=self.mooncake_key_prefix)
-            if self.hicache_storage_backend == "mooncake" else None,
-            kv_events_endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
-            http_endpoint=self.http_endpoint, engine_version=self.engine_version,
-            hicache_enabled=self.hicache_enabled, hicache_write_policy=self.hicache_write_policy,
-        )
-
-
-class EngineProbe:
-    """Whether the engine answers its health endpoint, shared by all its DP ranks: one GET serves
-    every rank asking within half a heartbeat of it, so no rank renews its lease on an answer
-    older than that, and an outage is logged once, when it begins, and once when it ends."""
-
-    def __init__(self, check: EngineHealthCheck, label: str, reuse_s: float):
-        self.check = check
-        self.label = label
-        self.reuse_s = reuse_s
-        self._session: aiohttp.ClientSession | None = None
-        self._asking: asyncio.Task[bool] | None = None
-        self._answered_at = float("-inf")
-        self._up: bool | None = None  # None: not asked yet
-
-    async def answers(self) -> bool:
-        fresh = time.monotonic() - self._answered_at < self.reuse_s
-        if self._asking is None or (self._asking.done() and not fresh):
-            self._asking = asyncio.create_task(self._ask())
-        # shielded: a rank stopping must not cancel the answer the other ranks wait for
-        return await asyncio.shield(self._asking)
-
-    async def _ask(self) -> bool:
-        if self._session is None:
-            # trust_env off: the engine is never behind a proxy (as for --sglang-url discovery)
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.check.timeout_s))
-        failure, reason = "", ""
-        try:
-            async with self._session.get(self.check.url, allow_redirects=False) as reply:
-                await reply.read()
-                if not 200 <= reply.status < 300:
-                    failure, reason = f"HTTP {reply.status}", "status"
-        except TimeoutError:  # before ClientError: aiohttp's timeouts are both
-            failure, reason = f"no answer within {self.check.timeout_s:g}s", "timeout"
-        except (aiohttp.ClientError, OSError) as exc:
-            failure, reason = str(exc) or type(exc).__name__, "unreachable"
-        self._answered_at = time.monotonic()
-        ENGINE_UP.labels(self.label).set(0 if failure else 1)
-        if failure:
-            ENGINE_HEALTH_FAILURES.labels(self.label, reason).inc()
-            if self._up is not False:
-                log.warning("%s: the engine does not answer GET %s (%s); its lease is not renewed until it does "
-                            "(routers stop choosing it once the lease runs out)", self.label, self.check.url, failure)
-        elif self._up is False:
-            log.warning("%s: the engine answers GET %s again; renewing its lease", self.label, self.check.url)
-        self._up = not failure
-        return not failure
-
-    async def close(self) -> None:
-        if self._asking is not None:
-            self._asking.cancel()
-            await asyncio.gather(self._asking, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
 
 
 class RankBridge:
@@ -489,7 +382,7 @@ class RankBridge:
     def _max_events_bytes(self) -> int:
         """What a message's events may take: the server's max_payload less room for the rest
         of the batch (names of up to 256 characters) and the headers."""
-        return max(64 << 10, _max_payload(self.nc) - _ENVELOPE_BYTES)
+        return max(64 << 10, max_payload(self.nc) - _ENVELOPE_BYTES)
 
     async def _dead_letter(self, data: bytes, reason: str, engine_seq: int | None = None) -> None:
         DEAD_LETTERS.labels(self._label).inc()
@@ -501,7 +394,7 @@ class RankBridge:
         headers["Nats-Msg-Id"] = f"kvtier-dlq:bridge:{secrets.token_hex(12)}"
         if engine_seq is not None:
             headers["Kvtier-Engine-Seq"] = str(engine_seq)
-        limit = _max_payload(self.nc) - _ENVELOPE_BYTES
+        limit = max_payload(self.nc) - _ENVELOPE_BYTES
         if len(data) > limit:  # kept as far as the server takes it; the header says how long it was
             headers["Kvtier-Truncated-From"] = str(len(data))
             data = data[:limit]
@@ -572,60 +465,6 @@ def _after_matching(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBa
             decoded, raw_ts = _decode(raw)
             return buffered[i + 1:] if same_ts(raw_ts, ts) else None
     return None
-
-
-#: Room in a message for everything but its events: the batch's other fields (names of up
-#: to 256 characters, 4 bytes each at worst) and the headers (Nats-Msg-Id).
-_ENVELOPE_BYTES = 8 << 10
-
-
-def _max_payload(nc) -> int:
-    return getattr(nc, "max_payload", 0) or (1 << 20)
-
-
-def _chunk_by_pages(events: list[TierEvent], max_pages: int, max_bytes: int = 1 << 62) -> list[list[TierEvent]]:
-    """Events in messages of at most `max_pages` pages and `max_bytes` bytes of events; an
-    event larger than either alone is split first (convert.split_to_fit), so no message is
-    ever refused by the server for its size."""
-    chunks: list[list[TierEvent]] = []
-    current: list[TierEvent] = []
-    pages = used = 0
-    for event in events:
-        for piece in split_to_fit(event, max_pages, max_bytes):
-            size = len(getattr(piece, "hashes", ())) or 1
-            cost = encoded_size_bound(piece)
-            if current and (pages + size > max_pages or used + cost > max_bytes):
-                chunks.append(current)
-                current, pages, used = [], 0, 0
-            current.append(piece)
-            pages += size
-            used += cost
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def rank_configs(base: BridgeConfig) -> list[BridgeConfig]:
-    """One config per DP rank: rank r listens on the endpoint's port + r (SGLang's rule)."""
-    if base.dp_size == 1:
-        return [base]
-    from dataclasses import replace
-
-    configs = []
-    for rank in range(base.dp_size):
-        configs.append(replace(
-            base, dp_rank=rank, worker_id=f"{base.worker_id}-dp{rank}", engine_worker_id=base.worker_id,
-            endpoint=_port_plus(base.endpoint, rank),
-            replay_endpoint=_port_plus(base.replay_endpoint, rank) if base.replay_endpoint else "",
-        ))
-    return configs
-
-
-def _port_plus(endpoint: str, offset: int) -> str:
-    head, _, port = endpoint.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"endpoint {endpoint!r} has no numeric port to offset for DP ranks")
-    return f"{head}:{int(port) + offset}"
 
 
 async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:

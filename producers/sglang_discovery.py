@@ -146,6 +146,33 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
     if events.publisher != "zmq":
         raise DiscoveryError(f"SGLang at {url} publishes KV events with publisher {events.publisher!r}; "
                              "kvtier bridge reads the zmq publisher")
+    page_size, dp_size, tp_size, pp_size, topic = _engine_facts(info, events, flags, conflicts)
+    mooncake = _mooncake(info, layout, flags, tp_size, pp_size, page_size, conflicts, notes)
+    if conflicts:
+        raise DiscoveryError(f"the flags disagree with SGLang at {url}: " + "; ".join(conflicts)
+                             + ". Drop those flags to use the server's values (or fix them)")
+    if page_size <= 0 or dp_size <= 0:
+        raise DiscoveryError(f"SGLang at {url} advertises block_size {page_size} and dp_size {dp_size}; both must be "
+                             "positive")
+    endpoint, replay = _endpoints(url, events, flags, notes)
+    _note_event_format(info, notes)
+
+    model = flags.model or info.served_model_name or info.model_path
+    if not model:
+        raise DiscoveryError(f"SGLang at {url} reports neither served_model_name nor model_path; give --model")
+    return WorkerSettings(
+        endpoint=endpoint, replay_endpoint=replay, topic=topic, model=model, page_size=page_size, dp_size=dp_size,
+        tp_size=tp_size, pp_size=pp_size, mooncake=mooncake, http_endpoint=flags.http_endpoint or url,
+        engine_version=info.version, notes=tuple(notes),
+        hicache_enabled=info.enable_hierarchical_cache,
+        hicache_write_policy=(info.hicache_write_policy or "") if info.enable_hierarchical_cache else "",
+    )
+
+
+def _engine_facts(info: ServerInfo, events: KvEventsDescriptor, flags: WorkerFlags,
+                  conflicts: list[str]) -> tuple[int, int, int, int, str]:
+    """(page size, DP ranks, TP size, PP size, topic) as SGLang serves them; each flag that
+    disagrees is added to `conflicts`."""
 
     def fact(flag: str, given, served, what: str):
         if given is not None and given != served:
@@ -162,14 +189,11 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
     fact("--hicache", flags.hicache_enabled, info.enable_hierarchical_cache, "enable_hierarchical_cache")
     if info.enable_hierarchical_cache and info.hicache_write_policy:
         fact("--hicache-write-policy", flags.hicache_write_policy, info.hicache_write_policy, "hicache_write_policy")
-    mooncake = _mooncake(info, layout, flags, tp_size, pp_size, page_size, conflicts, notes)
-    if conflicts:
-        raise DiscoveryError(f"the flags disagree with SGLang at {url}: " + "; ".join(conflicts)
-                             + ". Drop those flags to use the server's values (or fix them)")
-    if page_size <= 0 or dp_size <= 0:
-        raise DiscoveryError(f"SGLang at {url} advertises block_size {page_size} and dp_size {dp_size}; both must be "
-                             "positive")
+    return page_size, dp_size, tp_size, pp_size, topic
 
+
+def _endpoints(url: str, events: KvEventsDescriptor, flags: WorkerFlags, notes: list[str]) -> tuple[str, str]:
+    """(KV-event endpoint, replay endpoint or ""): the advertised ones, unless a flag replaces them."""
     host = events.endpoint_host
     if host in WILDCARD_HOSTS:
         host = _url_host(url)
@@ -186,25 +210,20 @@ def discover(sglang_url: str, info: ServerInfo, layout: L3CacheLayout | None,
         notes.append("SGLang advertises no replay endpoint: a missed batch or a bridge restart starts a new epoch "
                      "(the worker's state is rebuilt); add \"replay_endpoint\":\"tcp://*:PORT\" to its "
                      "--kv-events-config to recover them instead")
-    if info.kv_events_config:
-        try:
-            configured = decode_kv_events_config(info.kv_events_config)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            configured = None
-        if configured is not None and configured.format != "default":
-            notes.append(f"SGLang's KV events use format {configured.format!r}: requests carrying a cache salt or "
-                         "LoRA name hash differently from their tokens and will not match cached pages")
+    return endpoint, replay
 
-    model = flags.model or info.served_model_name or info.model_path
-    if not model:
-        raise DiscoveryError(f"SGLang at {url} reports neither served_model_name nor model_path; give --model")
-    return WorkerSettings(
-        endpoint=endpoint, replay_endpoint=replay, topic=topic, model=model, page_size=page_size, dp_size=dp_size,
-        tp_size=tp_size, pp_size=pp_size, mooncake=mooncake, http_endpoint=flags.http_endpoint or url,
-        engine_version=info.version, notes=tuple(notes),
-        hicache_enabled=info.enable_hierarchical_cache,
-        hicache_write_policy=(info.hicache_write_policy or "") if info.enable_hierarchical_cache else "",
-    )
+
+def _note_event_format(info: ServerInfo, notes: list[str]) -> None:
+    """A note when SGLang's KV events use a format other than "default"."""
+    if not info.kv_events_config:
+        return
+    try:
+        configured = decode_kv_events_config(info.kv_events_config)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        configured = None
+    if configured is not None and configured.format != "default":
+        notes.append(f"SGLang's KV events use format {configured.format!r}: requests carrying a cache salt or "
+                     "LoRA name hash differently from their tokens and will not match cached pages")
 
 
 def _kv_events(url: str, info: ServerInfo, notes: list[str]) -> KvEventsDescriptor:
@@ -262,7 +281,13 @@ def _mooncake(info: ServerInfo, layout: L3CacheLayout | None, flags: WorkerFlags
                      "announced; give --hicache-storage-backend mooncake (with --mooncake-attention, "
                      "--mooncake-key-prefix) to announce one")
         return None
+    return _mooncake_from_layout(layout, flags, tp_size, pp_size, page_size, conflicts, notes)
 
+
+def _mooncake_from_layout(layout: L3CacheLayout, flags: WorkerFlags, tp_size: int, pp_size: int, page_size: int,
+                          conflicts: list[str], notes: list[str]) -> MooncakeLayout | None:
+    """The layout to announce for a Mooncake backend, from SGLang's /get_hicache_l3_cache_layout reply."""
+    wanted = flags.hicache_storage_backend
     inner = layout.hicache_object_layout
     # Only the Mooncake store describes itself (attention kind, key prefix); a disabled_l3_layout
     # reply (no controller, no store attached) does not.
