@@ -34,7 +34,7 @@ COPY router/ router/
 # pyproject's `packages` list (kvtier.commands.errors imports kvtier.bench, kvtier.harness and kvtier.plumbing).
 RUN /opt/kvtier/bin/pip install . \
  && cd / \
- && /opt/kvtier/bin/python -c "import importlib.resources as r, kvtier.cli, kvtier.bench.demo, kvtier.commands.errors, kvtier.tools.doctor.report, kvtier.producers.bridge, kvtier.sim.sim_worker, kvtier.consumers.processor, kvtier.router.service; assert r.files('kvtier.consumers').joinpath('apply.lua').is_file() and r.files('kvtier.router').joinpath('select_and_book.lua').is_file()" \
+ && /opt/kvtier/bin/python -c "import importlib.resources as r, kvtier.cli, kvtier.eval.demo, kvtier.commands.errors, kvtier.tools.doctor.report, kvtier.producers.bridge, kvtier.sim.sim_worker, kvtier.consumers.processor, kvtier.router.service; assert r.files('kvtier.consumers').joinpath('apply.lua').is_file() and r.files('kvtier.router').joinpath('select_and_book.lua').is_file()" \
  && /opt/kvtier/bin/kvtier --help > /dev/null
 
 # --- runtime ------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_plumbing_and_the_services_never_reach_up_to_tools_commands_or_benches()
     benches (the layout of kvtier/README.md: services below, what drives or inspects them above)."""
     graph = import_graph()
     below = ("kvtier.plumbing", "kvtier.producers", "kvtier.consumers", "kvtier.router")
-    above = ("kvtier.tools", "kvtier.commands", "kvtier.bench", "kvtier.cli")
+    above = ("kvtier.tools", "kvtier.commands", "kvtier.bench", "kvtier.eval", "kvtier.testing", "kvtier.cli")
 
     def within(module: str, packages) -> bool:
         return any(module == p or module.startswith(p + ".") for p in packages)
@@ -189,7 +189,7 @@ def test_the_graph_is_the_real_one():
     """The check above is not vacuous: the mapping finds the modules and their imports."""
     modules = module_files()
     assert modules["kvtier.schemas.events"] == ROOT / "schemas" / "events.py"
-    assert modules["kvtier.bench.trace_replay"] == ROOT / "kvtier" / "bench" / "trace_replay.py"
+    assert modules["kvtier.eval.replay"] == ROOT / "kvtier" / "eval" / "replay.py"
     assert modules["kvtier.router"] == ROOT / "router" / "__init__.py"
     graph = import_graph()
     assert len(graph) > 70 and sum(map(len, graph.values())) > 200

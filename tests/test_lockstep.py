@@ -14,24 +14,25 @@ import tempfile
 
 import pytest
 
-from kvtier.bench.bounds import infinite_cache, pooled_lru
-from kvtier.bench.lockstep import percentile, reason_for, run_lockstep
-from kvtier.bench.policies import (
+from kvtier.eval.bounds import infinite_cache, pooled_lru
+from kvtier.eval.lockstep import percentile, reason_for, run_lockstep
+from kvtier.eval.policies import (
     CandidateView,
     Decision,
     OraclePolicy,
     RoundRobinPolicy,
     RouterModel,
 )
-from kvtier.bench.synth_trace import SynthParams, generate
-from kvtier.bench.trace import (
+from kvtier.eval.replay import ReplaySettings, add_gap_closed, build_report
+from kvtier.eval.report import verdict
+from kvtier.eval.synth_trace import SynthParams, generate
+from kvtier.eval.trace import (
     SAMPLE_TRACE,
     PreparedRequest,
     TraceRequest,
     load_trace,
     prepare,
 )
-from kvtier.bench.trace_replay import ReplaySettings, add_gap_closed, build_report, verdict
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 from kvtier.sim.cost_model import CostModel
 from kvtier.sim.hicache_sim import HiCacheSim, SimConfig
@@ -215,7 +216,7 @@ def cpu_burner(seconds: float) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_the_pipeline_decides_like_the_model_whatever_the_machine_load():
-    from kvtier.bench.pipeline import PipelinePolicy, running_stack
+    from kvtier.eval.pipeline import PipelinePolicy, running_stack
 
     requests = small_trace(120)
     # predicted pages on, so their booking and walk in Redis are held to the model's too

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvtier.bench.trace import CONVERSATION_TRACE, DATA_DIR, SAMPLE_TRACE, load_trace
+from kvtier.eval.trace import CONVERSATION_TRACE, DATA_DIR, SAMPLE_TRACE, load_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Built from parts so that this file does not match itself.

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from kvtier.bench.bounds import infinite_cache
-from kvtier.bench.trace import TraceRequest, block_tokens, load_trace, prepare, trace_tokens
 from kvtier.consumers.apply import read_worker_pages
+from kvtier.eval.bounds import infinite_cache
+from kvtier.eval.trace import TraceRequest, block_tokens, load_trace, prepare, trace_tokens
 from kvtier.harness.embedded import free_port
 from kvtier.sim.sim_worker import free_port_block
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kvtier.bench.synth_trace import SynthParams, generate, trace_stats
-from kvtier.bench.trace import load_trace, prepare
-from kvtier.bench.tune import OBJECTIVES, tune
+from kvtier.eval.synth_trace import SynthParams, generate, trace_stats
+from kvtier.eval.trace import load_trace, prepare
+from kvtier.eval.tune import OBJECTIVES, tune
 from kvtier.schemas.routing import ScoringWeights
 from kvtier.sim.sim_cluster import ClusterShape
 

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvtier.bench import clients
 from kvtier.bench.processes import KvtierSubprocess, rss_mb, wait_http
-from kvtier.bench.trace import SAMPLE_TRACE, TraceRequest, load_trace
+from kvtier.eval.trace import SAMPLE_TRACE, TraceRequest, load_trace
 from kvtier.schemas.jetstream import Jsz, StreamState, decode_jsz
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.sim import SimGenerateBody

@@ -151,7 +151,7 @@ def register(sub) -> None:
                                              "once per routing policy, beside the oracle and the bounds.",
                               description="Lockstep by default: the trace clock moves only when the pipeline has "
                                           "caught up, so the same trace and seed give the same figures on any "
-                                          "machine (kvtier/bench/trace_replay.py).",
+                                          "machine (kvtier/eval/replay.py).",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_cluster_arguments(rp)
     rp.add_argument("--policies", default="", help="Comma-separated subset of: random, round_robin, least_load, "
@@ -283,7 +283,7 @@ def _add_soak_parser(bench_sub) -> None:
 
 
 def _run_replay(args) -> int:
-    from kvtier.bench.trace_replay import run_replay_bench
+    from kvtier.eval.replay import run_replay_bench
 
     return run_replay_bench(args)
 
@@ -325,7 +325,7 @@ def _run_faults(args) -> int:
 
 
 def _run_synth_trace(args) -> int:
-    from kvtier.bench.synth_trace import run_synth_trace
+    from kvtier.eval.synth_trace import run_synth_trace
 
     return run_synth_trace(args)
 

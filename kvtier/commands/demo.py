@@ -1,4 +1,4 @@
-"""`kvtier demo` (kvtier/bench/demo.py)."""
+"""`kvtier demo` (kvtier/eval/demo.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvtier.commands.flags import add_cluster_arguments, add_common
 def register(sub) -> None:
     d = sub.add_parser("demo", help="Routing policies side by side on a simulated HiCache cluster, beside the "
                                     "oracle and the bounds, and a sweep of where tier awareness pays (embedded "
-                                    "servers; kvtier/bench/demo.py).",
+                                    "servers; kvtier/eval/demo.py).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_cluster_arguments(d)
     d.set_defaults(trace="synthetic:1", requests=600, workers=4, device_pages=2048, host_pages=4096)
@@ -22,6 +22,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtier.bench.demo import run_demo
+    from kvtier.eval.demo import run_demo
 
     return run_demo(args)

@@ -1,4 +1,4 @@
-"""`kvtier tune` (kvtier/bench/tune.py)."""
+"""`kvtier tune` (kvtier/eval/tune.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def register(sub) -> None:
     t = sub.add_parser("tune", help="Search the scoring weights on a lockstep trace replay; print the best settings "
                                     "for TTFT p50, TTFT p99 and recomputed tokens beside the defaults and the oracle.",
                        description="Each trial replays kvtier's router (in process, lockstep) on the trace "
-                                   "(kvtier/bench/tune.py).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   "(kvtier/eval/tune.py).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_cluster_arguments(t)
     t.set_defaults(requests=2000)
     t.add_argument("--budget", type=positive_int, default=24, help="Settings to try (the defaults included).")
@@ -26,6 +26,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtier.bench.tune import run_tune
+    from kvtier.eval.tune import run_tune
 
     return run_tune(args)

@@ -1,7 +1,7 @@
 """`kvtier demo`: the main job on embedded defaults, no flags needed; under three minutes on
 two cores.
 
-1. The policies side by side on one cluster, lockstep (kvtier/bench/trace_replay.py): random,
+1. The policies side by side on one cluster, lockstep (kvtier/eval/replay.py): random,
    round robin, kvtier's four policies, the oracle (kvtier's formula on the simulator's
    ground truth) and the bounds (infinite cache, one LRU as large as the whole cluster). The
    headline policies, device-only and tier-aware + shared, go through the real pipeline:
@@ -13,7 +13,7 @@ two cores.
    with one sentence of verdict per point.
 
 The sample: the first 600 requests of kvtier's synthetic high-reuse trace
-(kvtier/bench/synth_trace.py, seed 1), chosen because its reuse fits the demo cluster's
+(kvtier/eval/synth_trace.py, seed 1), chosen because its reuse fits the demo cluster's
 memory: one LRU of the cluster's whole memory reuses nearly what an infinite cache does, so
 the policies can differ. The public conversation sample shipped in kvtier/data reuses mostly
 farther back than a cluster of this size remembers (`--trace kvtier/data/mooncake_trace_sample.jsonl`
@@ -29,19 +29,10 @@ import sys
 import time
 from dataclasses import replace
 
-from kvtier.bench.trace import load_trace, prepare
-from kvtier.bench.trace_replay import (
-    KVTIER_POLICIES,
-    ReplaySettings,
-    add_gap_closed,
-    best_kvtier,
-    build_report,
-    format_breakdown,
-    format_table,
-    progress_bar,
-    shape_from_args,
-    verdict,
-)
+from kvtier.eval.policies import KVTIER_POLICIES
+from kvtier.eval.replay import ReplaySettings, add_gap_closed, build_report, shape_from_args
+from kvtier.eval.report import best_kvtier, format_breakdown, format_table, progress_bar, verdict
+from kvtier.eval.trace import load_trace, prepare
 from kvtier.sim.sim_cluster import ClusterShape
 
 MIN_FREE_MEMORY = 2 << 30

@@ -22,7 +22,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from kvtier.bench.trace_record import TRACE_BLOCK_TOKENS, TraceRequest
+from kvtier.eval.trace_record import TRACE_BLOCK_TOKENS, TraceRequest
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtier.bench.trace_record import TRACE_BLOCK_TOKENS, TraceRequest  # noqa: F401 - TRACE_BLOCK_TOKENS re-exported
+from kvtier.eval.trace_record import TRACE_BLOCK_TOKENS, TraceRequest  # noqa: F401 - TRACE_BLOCK_TOKENS re-exported
 from kvtier.schemas.hashes import PageDigest, sglang_page_digests
 
 #: Traces shipped inside the package (kvtier/data/README.md says where they come from).
@@ -29,11 +29,11 @@ SAMPLE_TRACE = DATA_DIR / "mooncake_trace_sample.jsonl"
 
 def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRequest]:
     """A Mooncake-format JSONL trace (plain, or gzipped when the name ends in .gz), or one
-    kvtier/bench/synth_trace.py generates: "synthetic[:SEED]" (the high-reuse trace) or
+    kvtier/eval/synth_trace.py generates: "synthetic[:SEED]" (the high-reuse trace) or
     "synthetic-fanout[:SEED]" (the same with a fifth of fresh requests fanned out 8 ways)."""
     name, _, seed = str(path).partition(":")
     if name in ("synthetic", "synthetic-fanout"):
-        from kvtier.bench.synth_trace import SynthParams, generate
+        from kvtier.eval.synth_trace import SynthParams, generate
 
         params = SynthParams(fanout_share=0.2 if name == "synthetic-fanout" else 0.0)
         try:

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.bench import clients
-from kvtier.bench.policies import CandidateView, Decision, worker_id
 from kvtier.bench.processes import KvtierSubprocess, wait_http
-from kvtier.bench.trace import PreparedRequest
+from kvtier.eval.policies import CandidateView, Decision, worker_id
+from kvtier.eval.trace import PreparedRequest
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys

@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from kvtier.bench.lockstep import run_lockstep
-from kvtier.bench.policies import OraclePolicy, RoundRobinPolicy, RouterModel
-from kvtier.bench.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
+from kvtier.eval.lockstep import run_lockstep
+from kvtier.eval.policies import OraclePolicy, RoundRobinPolicy, RouterModel
+from kvtier.eval.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
 from kvtier.schemas.routing import ScoringWeights
 from kvtier.sim.sim_cluster import ClusterShape
 
@@ -241,7 +241,7 @@ def format_tune(report: dict) -> str:
 
 
 def run_tune(args) -> int:
-    from kvtier.bench.trace_replay import shape_from_args
+    from kvtier.eval.replay import shape_from_args
 
     trace = args.trace or str(CONVERSATION_TRACE)
     shape = shape_from_args(args)

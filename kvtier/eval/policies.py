@@ -1,4 +1,4 @@
-"""Routing policies a lockstep replay (kvtier/bench/lockstep.py) can run, all behind one
+"""Routing policies a lockstep replay (kvtier/eval/lockstep.py) can run, all behind one
 interface: at a request's arrival, pick a rank, and say what was seen.
 
 In process (no servers):
@@ -10,7 +10,7 @@ In process (no servers):
   in process: tier state built from the events published up to (now - visibility lag),
   the shared pool asked live, loads from bookings released at first token and completion,
   candidates in worker-id order and the same random draws. It is what `kvtier bench replay`
-  measures through the real pipeline (kvtier/bench/pipeline.py); a test holds the two to the
+  measures through the real pipeline (kvtier/eval/pipeline.py); a test holds the two to the
   same decisions, and `kvtier tune` searches weights on it.
 """
 
@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.bench.trace import PreparedRequest
+from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
@@ -30,6 +30,9 @@ from kvtier.schemas.tiers import Tier, tier_of_medium
 from kvtier.sim.hicache_sim import ServeResult
 from kvtier.sim.sim_cluster import RankTruth, SimCluster
 
+#: The policies a replay can run (`--policies`), and among them kvtier's own (the router's).
+POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle")
+KVTIER_POLICIES = ("least_load", "device_only", "tier_aware", "tier_aware_shared")
 #: Per-request overrides of the `device_only` policy (scoring ignores every other tier).
 DEVICE_ONLY = {"host_cache_hit_weight": 0.0, "disk_cache_hit_weight": 0.0, "shared_cache_multiplier": 0.0}
 #: The router's cache-blind mode (`--router-mode load`): every cache weight zero.

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvtier.bench.trace import PreparedRequest
+from kvtier.eval.trace import PreparedRequest
 from kvtier.schemas.hashes import PageDigest
 from kvtier.sim.sim_cluster import ClusterShape
 

@@ -4,7 +4,7 @@ pipeline, to measure the pipeline itself (decision latency, lag, degraded decisi
 Requests are sent at their trace times divided by `--time-scale` to a `kvtier sim-worker`
 process (the simulated clock is the trace's, so TTFTs are in trace seconds); what each router
 sees depends on how far the pipeline has got on this machine at that moment, so these figures
-change with load. Routing quality is measured in lockstep (kvtier/bench/lockstep.py) instead.
+change with load. Routing quality is measured in lockstep (kvtier/eval/lockstep.py) instead.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.bench import clients
-from kvtier.bench.policies import DEVICE_ONLY
 from kvtier.bench.processes import KvtierSubprocess, wait_announced, wait_http
-from kvtier.bench.trace import TraceRequest, trace_tokens
+from kvtier.eval.policies import DEVICE_ONLY
+from kvtier.eval.trace import TraceRequest, trace_tokens
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.sglang_server import GenerateMetaInfo, SamplingParams
 from kvtier.schemas.sim import SimGenerateBody

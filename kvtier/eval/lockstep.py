@@ -1,7 +1,7 @@
 """The lockstep replay: a trace through a simulated cluster, one request at a time, on the
 trace's clock only. Same trace, policy and seed => the same result on any machine at any
 speed: nothing here reads a wall clock, and a policy that goes through the real pipeline
-(kvtier/bench/pipeline.py) waits until the pipeline has caught up before each decision.
+(kvtier/eval/pipeline.py) waits until the pipeline has caught up before each decision.
 
 Per request, at its arrival time t:
   1. the cluster lands the device->host copies due by t;
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvtier.bench.policies import CandidateView, Decision, Policy, oracle_choice
-from kvtier.bench.trace import PreparedRequest
+from kvtier.eval.policies import CandidateView, Decision, Policy, oracle_choice
+from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
 from kvtier.schemas.routing import ScoringWeights
 from kvtier.sim.sim_cluster import ClusterShape, RankTruth, SimCluster
