@@ -109,7 +109,7 @@ def _module_metrics(module: Any) -> list[Any]:
 def exported_metrics() -> Exported:
     from prometheus_client.metrics import MetricWrapperBase
 
-    from kvtier.consumers import processor
+    from kvtier.consumers import processor_metrics as processor
     from kvtier.consumers.analytics import AnalyticsConfig, AnalyticsService
     from kvtier.producers import bridge
     from kvtier.router.metrics import RouterMetrics
