@@ -17,21 +17,16 @@ workers (or, with no lease left, the last known ones) are chosen on load alone
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import logging
 import random
 import time
 import uuid
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.exceptions
 
 from kvtier.schemas.health import HashCheck
 from kvtier.schemas.routing import (
-    AdmissionSettings,
     CandidateScore,
     ReleaseResponse,
     ReleaseStage,
@@ -39,20 +34,26 @@ from kvtier.schemas.routing import (
     RouteRequest,
     RouteResponse,
     ScoringWeights,
-    TierOverlap,
 )
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import name_of_token, subject_token
-from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
 
-from . import scoring
-from .booking import AlreadyBooked, Checked, LoadBook
+from . import lean, scoring, steps
+from .booking import AlreadyBooked, LoadBook, Selection
 from .breaker import CircuitBreaker
+from .errors import Busy as Busy  # router/admission.py imports it from here
+from .errors import DuplicateRequest, NoWorkers, RoutingError, UnknownModel
+from .fallback import Fallback as _Fallback  # the name tests/test_restarts_and_lag.py imports
+from .fallback import StateStoreWatch
 from .hashing import RequestPages
+from .lean import LEAN_ATTEMPTS
 from .metrics import RouterMetrics
-from .mirror import CATCH_UP_WAIT_S, MirroredOverlapReader, TierMirror
-from .roster import Rosters
-from .shared_pool import SharedPages, SharedPoolClient, SharedPoolUnavailable
+from .mirror import CATCH_UP_WAIT_S, MirroredOverlapReader, ModelMirror, TierMirror
+from .recording import DecisionRecorder
+from .roster import Roster, Rosters
+from .settings import RouterSettings
+from .shared_pool import SharedPoolClient, SharedPoolUnavailable
+from .shared_query import SharedPoolQuery
 from .state import (
     ModelDirectory,
     OverlapReader,
@@ -60,92 +61,22 @@ from .state import (
     Views,
     WorkerDirectory,
     WorkerStatus,
-    WorkerView,
     read_hash_mismatches,
     read_partial_workers,
 )
-from .tier_index import NO_OVERLAP
+from .steps import DEGRADED_ONLY_STALE as DEGRADED_ONLY_STALE  # imported from here by the service and tools
+from .steps import DEGRADED_REBUILDING, DEGRADED_SHARED_POOL, DEGRADED_STATE_STORE
 
 log = logging.getLogger("kvtier.router")
 
-DEGRADED_STATE_STORE = "state-store-unavailable"
-DEGRADED_SHARED_POOL = "shared-pool-unavailable"
-DEGRADED_ONLY_STALE = "only-stale-workers"
-DEGRADED_REBUILDING = "state-store-rebuilding"
 #: Router modes that pick by a baseline rule instead of the score (RouterSettings.selection).
 SELECTIONS = ("round-robin", "random")
 #: How often housekeeping recomputes each model's booked load from its live bookings (seconds).
 RECONCILE_INTERVAL_S = 10.0
 #: How often housekeeping re-reads the processors' hash checks (seconds).
 HASH_CHECK_REFRESH_S = 5.0
-#: Tries of the lean decision (each a booking its copy of the state turned out stale for)
-#: before the decision takes the full read instead.
-LEAN_ATTEMPTS = 4
 #: Why a decision read the full state instead of the replica's copies (router_full_reads).
 FULL_READ_REASONS = ("index_not_ready", "index_behind", "rebuilding", "no_fresh_worker", "state_kept_moving")
-#: Sessions whose worker a replica remembers (the oldest forgotten first; Redis keeps them all).
-SESSIONS_REMEMBERED = 65_536
-
-
-class RoutingError(Exception):
-    status = 400
-
-
-class UnknownModel(RoutingError):
-    status = 404
-
-
-class NoWorkers(RoutingError):
-    status = 503
-
-
-class DuplicateRequest(RoutingError):
-    status = 409
-
-
-class Busy(RoutingError):
-    """Every candidate is at or over a busy threshold: the request should wait (the service's
-    queue) or be refused with Retry-After."""
-
-    status = 503
-
-
-@dataclass
-class RouterSettings:
-    weights: ScoringWeights = field(default_factory=ScoringWeights)
-    shared_cache: bool = False  # --shared-cache-type hicache
-    router_page_size: int | None = None  # --page-size: workers that differ get no shared credit
-    booking_ttl_s: float = 600.0
-    router_id: str = ""
-    state_retry_s: float = 0.5  # after a Redis failure, how long to route without it before retrying
-    #: How the worker is picked among the scored candidates: "score" (the formula), or a
-    #: baseline for A/B tests, "round-robin" (one turn counter shared by every replica) or
-    #: "random". Baselines still score (the answer shows what the formula would say) and book.
-    selection: str = "score"
-    #: Book each request's pages as predicted device pages on its worker until it completes
-    #: (--predicted-pages), credited at `predicted_page_weight`.
-    predicted_pages: bool = False
-    #: Where decisions read tier overlaps (--state-source): "mirror", an in-memory index per
-    #: model following the change feed (router/mirror.py), or "redis", the Lua walk in Redis
-    #: for every decision. Predicted pages live in Redis only: with them on, the walk is used.
-    state_source: str = "mirror"
-    #: A worker failed this many times in a row before its first byte is left out for
-    #: `breaker_backoff_s` (doubling while it keeps failing): router/breaker.py
-    breaker_failures: int = 3
-    breaker_backoff_s: float = 5.0
-    #: Busy thresholds (a worker whose booked prefill tokens or decode pages are at or over
-    #: them takes no new request; when every candidate is, the decision raises Busy) and the
-    #: service's queue. Replaced at run time through the service's /v1/admission.
-    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
-    #: How long a session id keeps its worker (seconds since its last request).
-    session_ttl_s: float = 600.0
-    #: How long the index's XREAD waits for new feed entries (ms); below the client's socket
-    #: timeout, so a quiet feed is not a failed read.
-    index_block_ms: int = 100
-
-    @property
-    def reads_index(self) -> bool:
-        return self.state_source == "mirror" and not self.predicted_pages
 
 
 @dataclass(frozen=True)
@@ -157,42 +88,15 @@ class Outcome:
     pages: RequestPages | None = None
 
 
-class _Fallback:
-    """Routing without Redis: least in-flight on this replica, round robin among ties. The
-    in-flight map is bounded: an entry leaves on its `complete` release, when it is older
-    than `ttl_s` (a request whose release never came), or when `max_entries` newer ones
-    came after it, so a long outage neither grows it nor skews the counts for good."""
+@dataclass(frozen=True)
+class _StateRead:
+    """What the full read of a model's state found."""
 
-    def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000, clock=time.monotonic) -> None:
-        self.in_flight: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._clock = clock
-        self._turn = itertools.count()
-
-    def _prune(self) -> None:
-        oldest = self._clock() - self.ttl_s
-        while self.in_flight and (len(self.in_flight) > self.max_entries
-                                  or next(iter(self.in_flight.values()))[1] < oldest):
-            self.in_flight.popitem(last=False)
-
-    def choose(self, workers: list[str]) -> str:
-        self._prune()
-        counts = {w: 0 for w in workers}
-        for worker, _ in self.in_flight.values():
-            if worker in counts:
-                counts[worker] += 1
-        low = min(counts.values())
-        ties = [w for w in workers if counts[w] == low]
-        return ties[next(self._turn) % len(ties)]
-
-    def book(self, request_id: str, worker: str) -> None:
-        self.in_flight[request_id] = (worker, self._clock())
-        self.in_flight.move_to_end(request_id)
-        self._prune()
-
-    def release(self, request_id: str) -> bool:
-        return self.in_flight.pop(request_id, None) is not None
+    directory: ModelDirectory
+    views: Views
+    pages_by_size: dict[int, RequestPages]
+    shared: steps.SharedAnswer | None
+    shared_error: str  # why the shared pool did not answer ("" when it did, or was not asked)
 
 
 class Router:
@@ -212,43 +116,32 @@ class Router:
         #: The lean decision's copies of each model's roster and loads (router/roster.py): with
         #: an index and the formula's selection; None otherwise (every decision reads Redis).
         self.rosters = Rosters(redis_client) if self.mirror is not None and settings.selection == "score" else None
-        #: session id -> the worker this replica last booked it on, so a conversation's next
-        #: request proposes its worker at once (book_checked.lua says when another replica moved it)
-        self._sessions: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self.copy_booking = lean.CopyBooking(self.book, settings)  # the lean decision's booking
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_backoff_s)
         self.shared_pool = shared_pool
+        self.shared_query = SharedPoolQuery(shared_pool, settings, metrics)
         self.decision_log = decision_log
         self.rng = rng or random.Random()
         self.router_id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
+        self.recorder = DecisionRecorder(metrics, decision_log, self.router_id)
         self._fallback = _Fallback(ttl_s=settings.booking_ttl_s)
+        self.state_store = StateStoreWatch(settings, metrics)
         self._reconciled_at = -1e9  # when housekeeping last recomputed loads from bookings
-        self._state_down_until = 0.0
-        self._warned_page_size: set[tuple[str, str]] = set()
-        self.last_state_error = ""
-        self.last_shared_pool_error = ""
         self.models_seen: set[str] = set()
         self.hash_mismatches: list[tuple[str, HashCheck]] = []
         self.partial_workers: dict[str, list[str]] = {}
         self._hash_checks_read_at = -1e9
         self.decisions_made = 0
 
-    # --- state-store health ------------------------------------------------------------
-    def _state_available(self) -> bool:
-        return time.monotonic() >= self._state_down_until
+    @property
+    def last_state_error(self) -> str:
+        """The state store's last failure ("" once it answers again)."""
+        return self.state_store.last_error
 
-    def _state_failed(self, exc: Exception) -> None:
-        if self._state_available():
-            log.warning("state store unavailable (%s: %s); routing by load/round robin until it answers",
-                        type(exc).__name__, exc)
-        self.last_state_error = f"{type(exc).__name__}: {exc}"
-        self._state_down_until = time.monotonic() + self.settings.state_retry_s
-        self.metrics.state_store_up.set(0)
-
-    def _state_ok(self) -> None:
-        if self.last_state_error:
-            log.warning("state store is answering again; tier-aware routing resumed")
-            self.last_state_error = ""
-        self.metrics.state_store_up.set(1)
+    @property
+    def last_shared_pool_error(self) -> str:
+        """Why the last shared-pool query failed ("" once one answers)."""
+        return self.shared_query.last_error
 
     # --- the decision -------------------------------------------------------------------
     async def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Outcome:
@@ -260,7 +153,7 @@ class Router:
         weights = request.overrides.applied_to(self.settings.weights) if request.overrides else self.settings.weights
         request_id = request.request_id or uuid.uuid4().hex
         u = self.rng.random()
-        if not self._state_available():
+        if not self.state_store.available():
             return self._route_without_state(request, request_id, weights, u, started, exclude=exclude)
         try:
             if self.rosters is not None:
@@ -274,7 +167,7 @@ class Router:
         except redis.exceptions.ResponseError:
             raise  # Redis answered: a bug to see, not an outage to route around
         except (OSError, asyncio.TimeoutError, redis.exceptions.RedisError) as exc:
-            self._state_failed(exc)
+            self.state_store.failed(exc)
             return self._route_without_state(request, request_id, weights, u, started, exclude=exclude)
 
     async def _directory(self, model: str, refresh: bool = False) -> ModelDirectory:
@@ -288,36 +181,8 @@ class Router:
         return directory
 
     def _reachable(self, model: str, workers: list, exclude: frozenset[str], worker_of=lambda w: w) -> list:
-        """`workers` less those excluded and those whose circuit is open; the open ones are
-        kept when nothing else is left (better a worker that failed lately than none)."""
-        left_out = self.breaker.left_out(model)
-        if not exclude and not left_out:
-            return workers
-        untried = [w for w in workers if worker_of(w) not in exclude]
-        if not untried:
-            raise NoWorkers(f"no other worker of model {model!r} to try (tried: {', '.join(sorted(exclude))})")
-        closed = [w for w in untried if worker_of(w) not in left_out]
-        return closed or untried
-
-    def _admitted(self, model: str, views: list[WorkerView]) -> list[WorkerView]:
-        """The views of workers under both busy thresholds; Busy when none is."""
-        under = self._under_thresholds(model, [v.page_size for v in views], [v.prefill_load for v in views],
-                                       [v.decode_load for v in views])
-        return views if len(under) == len(views) else [views[i] for i in under]
-
-    def _under_thresholds(self, model: str, page_sizes: list[int], prefill: list[int], decode: list[int]) -> list[int]:
-        """The indexes of the workers (given by columns) under both busy thresholds; Busy when none is."""
-        admission = self.settings.admission
-        busy_prefill, busy_decode = admission.busy_prefill_tokens, admission.busy_decode_pages
-        if not busy_prefill and not busy_decode:
-            return list(range(len(prefill)))
-        under = [i for i in range(len(prefill))
-                 if not (busy_prefill and prefill[i] * max(page_sizes[i], 1) >= busy_prefill)
-                 and not (busy_decode and decode[i] >= busy_decode)]
-        if not under:
-            raise Busy(f"every worker of model {model!r} is at its busy threshold (booked prefill >= "
-                       f"{busy_prefill} tokens or decode >= {busy_decode} pages)")
-        return under
+        """steps.reachable with the workers whose circuit is open now."""
+        return steps.reachable(model, workers, exclude, self.breaker.left_out(model), worker_of)
 
     async def _session_worker(self, model: str, session_id: str) -> str | None:
         raw = await self.redis.get(ModelKeys.for_model(model).session(session_id))
@@ -343,45 +208,15 @@ class Router:
         feed_checked = True
         pages_by_size: dict[int, RequestPages] = {}
         for _ in range(LEAN_ATTEMPTS):
-            if not index.ready:
-                return "index_not_ready"
-            now_ms = int(time.time() * 1000)
-            roster = held.current(now_ms) or await held.read(now_ms)
-            if not roster.ready or roster.rebuilding or roster.marker_id != index.marker_id:
-                return "rebuilding"
-            if index.change < roster.change and not await index.reached(roster.change, CATCH_UP_WAIT_S):
-                return "index_behind"
-            ids = roster.candidates
-            if not ids or 0 in roster.by_size:
-                return "no_fresh_worker"
-            if any(w not in directory.workers for w in ids):
+            roster = await lean.usable_roster(index, held)
+            if isinstance(roster, str):
+                return roster
+            if any(w not in directory.workers for w in roster.candidates):
                 directory = await self._directory(model, refresh=True)  # a worker joined since the last read
-            live = roster.live
-            overlaps: dict[str, TierOverlap] = {}
-            change = index.change
-            for size, workers in roster.by_size.items():
-                if size not in pages_by_size:
-                    pages_by_size[size] = RequestPages.of(request.token_ids, size)
-                overlaps.update(index.index.overlaps(pages_by_size[size].hashes, workers))
-            degraded: list[str] = []
-            shared = None
-            if self.settings.shared_cache and self.shared_pool is not None:
-                try:
-                    shared = await self._query_shared_pool(directory, pages_by_size)
-                except SharedPoolUnavailable:
-                    degraded.append(DEGRADED_SHARED_POOL)
-                if shared:
-                    overlaps = {w: self._with_shared(w, live[w][0], o, directory, shared) for w, o in overlaps.items()}
-            ids = self._reachable(model, ids, exclude)
-            primary_size = (next(iter(roster.by_size)) if len(roster.by_size) == 1
-                            else _most_common_page_size(live[w][0] for w in ids))
-            n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
-            decode_pages = -(-(len(request.token_ids) + request.max_new_tokens) // primary_size)
-            credits = [0.0 if overlaps[w] is NO_OVERLAP else scoring.cache_credit(overlaps[w], weights)
-                       for w in ids]
+            read = await self._lean_inputs(request, weights, index, roster, directory, pages_by_size, exclude)
             async with held.lock:
-                booked = await self._book_lean(request, request_id, keys, held, ids, overlaps, credits, n_pages,
-                                               decode_pages, weights, u, change if feed_checked else None)
+                booked = await self.copy_booking.choose_and_book(request, request_id, keys, held, read, weights, u,
+                                                                 read.change if feed_checked else None)
             if booked is None:  # the roster moved: read it again
                 held.forget()
                 continue
@@ -390,111 +225,115 @@ class Router:
                 if not await index.reached(booked, CATCH_UP_WAIT_S):
                     return "index_behind"
                 continue
-            chosen, logits, affinity, loads, pool = booked
             break
         else:
             return "state_kept_moving"
-        self._state_ok()
-        winner_id = ids[chosen]
-        overlap = overlaps[winner_id]
+        self.state_store.answered()
+        return self._lean_outcome(request, request_id, weights, u, started, read, booked, directory, pages_by_size)
+
+    async def _lean_inputs(self, request: RouteRequest, weights: ScoringWeights, index: ModelMirror, roster: Roster,
+                           directory: ModelDirectory, pages_by_size: dict[int, RequestPages],
+                           exclude: frozenset[str]) -> lean.LeanInputs:
+        """One try's candidates and what it chooses on: the index's overlaps (with the shared
+        pool's pages when it answers), the reachable workers, the request's page counts."""
+        live = roster.live
+        overlaps, change = lean.read_overlaps(index, roster, request.token_ids, pages_by_size)
+        degraded: list[str] = []
+        shared = None
+        if self.settings.shared_cache and self.shared_pool is not None:
+            try:
+                shared = await self.shared_query.pages(directory, pages_by_size)
+            except SharedPoolUnavailable:
+                degraded.append(DEGRADED_SHARED_POOL)
+            if shared:
+                overlaps = {w: steps.with_shared(w, live[w][0], o, directory, shared) for w, o in overlaps.items()}
+        ids = self._reachable(request.model, roster.candidates, exclude)
+        primary_size = steps.lean_primary_size(roster.by_size, live, ids)
+        n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
+        decode_pages = steps.decode_pages_of(len(request.token_ids), request.max_new_tokens, primary_size)
+        return lean.LeanInputs(ids, overlaps, live, change, degraded, shared, primary_size, n_pages, decode_pages,
+                               steps.lean_credits(ids, overlaps, weights))
+
+    def _lean_outcome(self, request: RouteRequest, request_id: str, weights: ScoringWeights, u: float,
+                      started: float, read: lean.LeanInputs, booked: lean.LeanBooked, directory: ModelDirectory,
+                      pages_by_size: dict[int, RequestPages]) -> Outcome:
+        """The answer to a booked lean decision, observed and logged."""
+        winner_id = read.ids[booked.chosen]
         candidates: list[CandidateScore] = []
         if request.explain or self.decision_log is not None:
-            candidates = [CandidateScore(worker_id=ids[i], logit=logits[i], overlap=overlaps[ids[i]],
-                                         prefill_load=loads[0][i], decode_load=loads[1][i], page_size=live[ids[i]][0])
-                          for i in pool]
+            candidates = steps.pool_candidates(read.ids, booked.pool, booked.logits, read.overlaps, booked.prefill,
+                                               booked.decode, read.live)
         meta = directory.workers.get(winner_id)
         response = RouteResponse(
-            request_id=request_id, worker_id=winner_id, logit=logits[chosen], overlap=overlap,
-            candidates=candidates if request.explain else [], request_pages=n_pages, page_size=primary_size,
-            degraded=degraded, booked=request.book, worker_url=meta.http_endpoint if meta else "", affinity=affinity)
+            request_id=request_id, worker_id=winner_id, logit=booked.logits[booked.chosen],
+            overlap=read.overlaps[winner_id], candidates=candidates if request.explain else [],
+            request_pages=read.n_pages, page_size=read.primary_size, degraded=read.degraded, booked=request.book,
+            worker_url=meta.http_endpoint if meta else "", affinity=booked.affinity)
         latency = time.perf_counter() - started
-        self._observe(response, shared, n_pages, latency, "kv")
-        decision = None
-        if self.decision_log is not None:
-            decision = RouteDecision(
-                request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights,
-                random_draw=u, page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()},
-                request_pages=n_pages, chosen=winner_id, candidates=candidates, degraded=degraded,
-                latency_ms=latency * 1000, shared_pool_queried=shared is not None)
-            self.decision_log.submit(decision)
-        return Outcome(response, decision, pages_by_size.get(live[winner_id][0]))
+        self.recorder.observe(response, read.shared, read.n_pages, latency, "kv")
+        decision = self.recorder.log(
+            request_id=request_id, model=request.model, weights=weights, u=u, pages_by_size=pages_by_size,
+            n_pages=read.n_pages, chosen=winner_id, candidates=candidates, degraded=read.degraded, latency=latency,
+            shared=read.shared)
+        return Outcome(response, decision, pages_by_size.get(read.live[winner_id][0]))
 
-    async def _book_lean(self, request: RouteRequest, request_id: str, keys: ModelKeys, held, ids: list[str],
-                         overlaps: dict[str, TierOverlap], credits: list[float], n_pages: int, decode_pages: int,
-                         weights: ScoringWeights, u: float, change: int | None):
-        """Choose on the copy's loads and book (under the model's lock: this replica's load
-        writes one at a time). When booked: (chosen index, logits, affinity, (prefill loads,
-        decode loads), the indexes of the workers under the busy thresholds). None when the
-        roster moved; the change counter when the feed is past `change`, the index's when it
-        gave the overlaps (the index must apply it first)."""
-        session = (request.model, request.session_id) if request.session_id else None
-        # This replica's memory of the session's worker is a guess to propose; Redis's is the
-        # session, which the booking checks (and answers with when it names another worker).
-        kept = self._sessions.get(session) if session else None
-        leave = False  # the session's worker (as Redis has it) is not a candidate: move the session
-        checked_busy = False
-        for _ in range(LEAN_ATTEMPTS):
-            roster = held.roster
-            if roster is None:
-                return None
-            prefill = [roster.prefill.get(w, 0) for w in ids]
-            decode = [roster.decode.get(w, 0) for w in ids]
-            try:
-                pool = self._under_thresholds(request.model, [roster.live[w][0] for w in ids], prefill, decode)
-            except Busy:
-                # Every worker busy by the copy: a refusal (or a wait) rests on the loads Redis
-                # holds, read again once, never on a copy another replica's releases left behind.
-                if checked_busy:
-                    raise
-                checked_busy = True
-                if (await held.read(int(time.time() * 1000))).candidates != roster.candidates:
-                    return None  # who is live changed too: decide again from the top
-                continue
-            values = scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale)
-            formula = pool[scoring.choose([values[i] for i in pool], weights.temperature, u)]
-            chosen = formula
-            if kept is not None and not leave and kept in ids and ids.index(kept) in pool:
-                chosen = ids.index(kept)
-            worker = ids[chosen]
-            overlap = overlaps[worker]
-            prefill_pages = max(n_pages - overlap.device - overlap.predicted, 0)
-            answer = await self.book.book_checked(
-                keys, request_id, worker, prefill_pages, decode_pages, load_version=roster.load_version,
-                change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
-                marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
-                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave)
-            if answer.outcome is Checked.BOOKED:
-                affinity = ""
-                if session and answer.worker_id == worker:
-                    affinity = "kept" if chosen == formula else "overrode"
-                if request.book:
-                    roster.add(worker, prefill_pages, decode_pages, answer.load_version)
-                    if session:
-                        self._remember_session(session, worker)
-                return chosen, values, affinity, (prefill, decode), pool
-            if answer.outcome is Checked.ALREADY_BOOKED:
-                raise DuplicateRequest(str(AlreadyBooked(request_id, answer.worker_id)))
-            if answer.outcome is Checked.LOADS_MOVED:
-                roster.set_loads(answer.load_version, answer.prefill, answer.decode)
-            elif answer.outcome is Checked.SESSION_ELSEWHERE:
-                kept = answer.worker_id
-                if session:
-                    self._remember_session(session, kept)
-                leave = not (kept in ids and ids.index(kept) in pool)
-            elif answer.outcome is Checked.FEED_AHEAD:
-                return answer.change
-            else:
-                return None
-        return None
-
-    def _remember_session(self, session: tuple[str, str], worker: str) -> None:
-        self._sessions[session] = worker
-        self._sessions.move_to_end(session)
-        if len(self._sessions) > SESSIONS_REMEMBERED:
-            self._sessions.popitem(last=False)
-
+    # --- the full read ------------------------------------------------------------------
     async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
                                 u: float, started: float, exclude: frozenset[str] = frozenset()) -> Outcome:
+        """The decision on a full read of the model's state: read, filter (circuits, busy
+        thresholds), keep the session's worker, then select and book in Redis."""
+        model = request.model
+        read = await self._read_state(request)
+        self.state_store.answered()
+        found = steps.candidates_of(model, read.views, read.shared_error)
+        if found is None:
+            return self._route_without_state(request, request_id, weights, u, started, DEGRADED_REBUILDING,
+                                             exclude=exclude)
+        shared = read.shared if found.shared_trusted else None
+        fresh = steps.admitted(model, self.settings.admission,
+                               self._reachable(model, found.views, exclude, lambda v: v.worker_id))
+        fresh.sort(key=lambda v: v.worker_id)
+        scores = steps.score_inputs(fresh, read.directory, shared, read.pages_by_size, len(request.token_ids),
+                                    request.max_new_tokens, weights)
+        inputs, credits = scores.inputs, scores.credits
+        affinity = ""
+        if request.session_id:
+            kept = await self._session_worker(model, request.session_id)
+            index, affinity = steps.keep_session(inputs, kept, scores.n_pages, weights, u)
+            if index is not None:
+                fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
+        selection = await self._select_and_book(request, request_id, scores, inputs, credits, read.pages_by_size,
+                                                weights, u)
+        booked_inputs = steps.with_loads(inputs, selection.prefill_loads, selection.decode_loads)
+        scored = scoring.score(scores.n_pages, booked_inputs, weights, u)
+        if scored.chosen != selection.chosen and self.settings.selection == "score":
+            self.metrics.scoring_mismatch.inc()
+            log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
+                      inputs[selection.chosen].worker_id, inputs[scored.chosen].worker_id, request_id)
+        chosen = selection.chosen
+        candidates = steps.scored_candidates(booked_inputs, scored.logits, [v.page_size for v in fresh])
+        winner = candidates[chosen]
+        meta = read.directory.workers.get(winner.worker_id)
+        response = RouteResponse(
+            request_id=request_id, worker_id=winner.worker_id, logit=winner.logit, overlap=winner.overlap,
+            candidates=candidates, request_pages=scores.n_pages, page_size=scores.primary_size,
+            degraded=found.degraded, booked=request.book, worker_url=meta.http_endpoint if meta else "",
+            affinity=affinity)
+        if request.session_id and request.book:
+            await self.redis.set(ModelKeys.for_model(model).session(request.session_id), winner.worker_id,
+                                 px=max(1, int(self.settings.session_ttl_s * 1000)))
+        latency = time.perf_counter() - started
+        mode = "kv" if self.settings.selection == "score" else self.settings.selection
+        self.recorder.observe(response, shared, scores.n_pages, latency, mode)
+        decision = self.recorder.log(
+            request_id=request_id, model=model, weights=weights, u=u, pages_by_size=read.pages_by_size,
+            n_pages=scores.n_pages, chosen=winner.worker_id, candidates=candidates, degraded=found.degraded,
+            latency=latency, shared=shared)
+        return Outcome(response, decision, read.pages_by_size.get(fresh[chosen].page_size))
+
+    async def _read_state(self, request: RouteRequest) -> _StateRead:
+        """Every live worker's view (one round trip) while the shared pool is asked which pages
+        it holds; read again once when a worker joined since the directory was last read."""
         model = request.model
         directory = await self._directory(model)
         views = Views()
@@ -510,7 +349,7 @@ class Router:
             if want_shared:
                 read, pool = await asyncio.gather(
                     self.reader.read(model, pages_by_size),
-                    self._query_shared_pool(directory, pages_by_size), return_exceptions=True)
+                    self.shared_query.pages(directory, pages_by_size), return_exceptions=True)
                 if isinstance(read, BaseException):
                     raise read
                 if isinstance(pool, BaseException):
@@ -525,159 +364,25 @@ class Router:
                 directory = await self._directory(model, refresh=True)  # a worker joined since the last read
                 continue
             break
-        self._state_ok()
+        return _StateRead(directory, views, pages_by_size, shared, shared_error)
 
-        fresh = [v for v in views if v.status is WorkerStatus.CANDIDATE]
-        degraded: list[str] = []
-        if views.degraded:
-            degraded.append(views.degraded)
-        if shared_error:
-            degraded.append(DEGRADED_SHARED_POOL)
-        if views.rebuilding:
-            # The store lost this model's state and it is being rebuilt: what it holds is not
-            # what the workers hold. Route on load alone, among every live worker.
-            if not views:
-                return self._route_without_state(request, request_id, weights, u, started, DEGRADED_REBUILDING,
-                                                 exclude=exclude)
-            fresh = [WorkerView(v.worker_id, v.status, v.page_size, TierOverlap(), v.prefill_load, v.decode_load)
-                     for v in views]
-            shared = None
-            degraded.append(DEGRADED_REBUILDING)
-        elif not fresh:
-            stale = [v for v in views if v.status is WorkerStatus.STALE]
-            if not stale:
-                raise NoWorkers(f"no live worker for model {model!r} (no lease renewed recently)")
-            # Their state may under-report pages: route among them by load alone.
-            fresh = [WorkerView(v.worker_id, v.status, v.page_size, TierOverlap(), v.prefill_load, v.decode_load)
-                     for v in stale]
-            degraded.append(DEGRADED_ONLY_STALE)
-        fresh = self._admitted(model, self._reachable(model, fresh, exclude, lambda v: v.worker_id))
-        fresh.sort(key=lambda v: v.worker_id)
-
-        inputs = [scoring.CandidateInputs(v.worker_id, self._with_shared(v.worker_id, v.page_size, v.overlap,
-                                                                         directory, shared),
-                                          v.prefill_load, v.decode_load) for v in fresh]
-        primary_size = _most_common_page_size(v.page_size for v in fresh)
-        n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
-        decode_pages = -(-(len(request.token_ids) + request.max_new_tokens) // primary_size)
-        # Workers of one model share a page size in practice; with mixed sizes the request's
-        # page count is taken at the most common one, and each worker's overlap at its own.
-        credits = [scoring.cache_credit(c.overlap, weights) for c in inputs]
-        affinity = ""
-        if request.session_id:
-            kept = await self._session_worker(model, request.session_id)
-            index = next((i for i, c in enumerate(inputs) if c.worker_id == kept), None)
-            if index is not None:
-                would = inputs[scoring.score(n_pages, inputs, weights, u).chosen].worker_id
-                affinity = "kept" if would == kept else "overrode"
-                fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
+    async def _select_and_book(self, request: RouteRequest, request_id: str, scores: steps.ScoreInputs,
+                               inputs: list[scoring.CandidateInputs], credits: list[float],
+                               pages_by_size: dict[int, RequestPages], weights: ScoringWeights,
+                               u: float) -> Selection:
+        """select_and_book.lua: the choice and its booking, atomic in Redis."""
+        primary_size = scores.primary_size
         predict = (pages_by_size[primary_size].keys_blob
                    if self.settings.predicted_pages and primary_size in pages_by_size else "")
         try:
-            selection = await self.book.select_and_book(
-                model, request_id, n_pages, decode_pages,
-                [(c.worker_id, credit, c.overlap.device + c.overlap.predicted) for c, credit in zip(inputs, credits)],
+            return await self.book.select_and_book(
+                request.model, request_id, scores.n_pages, scores.decode_pages, steps.booking_offers(inputs, credits),
                 weights.prefill_load_scale, weights.temperature, u, book=request.book,
                 selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs])
         except AlreadyBooked as exc:
             raise DuplicateRequest(str(exc)) from None
-        booked_inputs = [scoring.CandidateInputs(c.worker_id, c.overlap, p, d)
-                         for c, p, d in zip(inputs, selection.prefill_loads, selection.decode_loads)]
-        scored = scoring.score(n_pages, booked_inputs, weights, u)
-        if scored.chosen != selection.chosen and self.settings.selection == "score":
-            self.metrics.scoring_mismatch.inc()
-            log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
-                      inputs[selection.chosen].worker_id, inputs[scored.chosen].worker_id, request_id)
-        chosen = selection.chosen
-        candidates = [CandidateScore(worker_id=c.worker_id, logit=scored.logits[i], overlap=c.overlap,
-                                     prefill_load=c.prefill_load, decode_load=c.decode_load,
-                                     page_size=fresh[i].page_size)
-                      for i, c in enumerate(booked_inputs)]
-        winner = candidates[chosen]
-        meta = directory.workers.get(winner.worker_id)
-        response = RouteResponse(
-            request_id=request_id, worker_id=winner.worker_id, logit=winner.logit, overlap=winner.overlap,
-            candidates=candidates, request_pages=n_pages, page_size=primary_size, degraded=degraded,
-            booked=request.book, worker_url=meta.http_endpoint if meta else "", affinity=affinity)
-        if request.session_id and request.book:
-            await self.redis.set(ModelKeys.for_model(model).session(request.session_id), winner.worker_id,
-                                 px=max(1, int(self.settings.session_ttl_s * 1000)))
-        latency = time.perf_counter() - started
-        self._observe(response, shared, n_pages, latency, "kv" if self.settings.selection == "score"
-                      else self.settings.selection)
-        decision = None
-        if self.decision_log is not None:
-            decision = RouteDecision(
-                request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights,
-                random_draw=u, page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()},
-                request_pages=n_pages, chosen=winner.worker_id, candidates=candidates, degraded=degraded,
-                latency_ms=latency * 1000, shared_pool_queried=shared is not None)
-            self.decision_log.submit(decision)
-        return Outcome(response, decision, pages_by_size.get(fresh[chosen].page_size))
 
-    async def _query_shared_pool(self, directory: ModelDirectory, pages_by_size: dict[int, RequestPages]
-                                 ) -> dict[int, dict[MooncakeLayout, SharedPages]]:
-        """{page size: {layout: SharedPages}} for the workers that publish a Mooncake layout."""
-        layouts_by_size: dict[int, set] = {}
-        for meta in directory.workers.values():
-            if meta.mooncake is not None and self._page_size_matches(meta):
-                layouts_by_size.setdefault(meta.page_size, set()).add(meta.mooncake)
-        result = {}
-        try:
-            for size, layouts in layouts_by_size.items():
-                # only asked when the router has a shared pool (want_shared in route)
-                result[size] = await self.shared_pool.pages_present(  # type: ignore[union-attr]
-                    pages_by_size[size], list(layouts))
-        except SharedPoolUnavailable as exc:
-            self.metrics.shared_pool_errors.labels(exc.reason).inc()
-            self.last_shared_pool_error = str(exc)
-            log.warning("Shared cache query failed (%s); scoring without the shared pool", exc)
-            raise
-        self.last_shared_pool_error = ""
-        return result
-
-    def _page_size_matches(self, meta: WorkerMetadata) -> bool:
-        expected = self.settings.router_page_size
-        if expected is None or meta.page_size == expected:
-            return True
-        key = (meta.model, meta.worker_id)
-        if key not in self._warned_page_size:
-            self._warned_page_size.add(key)
-            self.metrics.page_size_mismatch.inc()
-            log.warning("worker %s/%s uses page size %d but the router's --page-size is %d: no shared-pool "
-                        "credit for it (they must match)", meta.model, meta.worker_id, meta.page_size, expected)
-        return False
-
-    def _with_shared(self, worker_id: str, page_size: int, o: TierOverlap, directory: ModelDirectory,
-                     shared) -> TierOverlap:
-        if not shared:
-            return o
-        meta = directory.workers.get(worker_id)
-        if meta is None or meta.mooncake is None:
-            return o
-        pages: SharedPages | None = shared.get(page_size, {}).get(meta.mooncake)
-        if pages is None:
-            return o
-        return TierOverlap(device=o.device, host=o.host, disk=o.disk, predicted=o.predicted,
-                           shared_beyond=pages.beyond(o.device + o.predicted))
-
-    def _observe(self, response: RouteResponse, shared, n_pages: int, latency: float, mode: str) -> None:
-        m = self.metrics
-        m.decisions_by_mode(mode).inc()
-        m.decision_latency.observe(latency)
-        m.request_pages.observe(n_pages)
-        o = response.overlap
-        device, host, disk, beyond = m.chosen_overlap_by_tier
-        device.observe(o.device)
-        host.observe(o.host)
-        disk.observe(o.disk)
-        beyond.observe(o.shared_beyond)
-        if shared:
-            hits = max((p.hits for layouts in shared.values() for p in layouts.values()), default=0)
-            if n_pages:
-                m.shared_cache_hit_rate.observe(hits / n_pages)
-            m.shared_cache_beyond_blocks.observe(o.shared_beyond)
-
+    # --- without the state store --------------------------------------------------------
     def _route_without_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
                              u: float, started: float, reason: str = DEGRADED_STATE_STORE,
                              exclude: frozenset[str] = frozenset()) -> Outcome:
@@ -692,21 +397,15 @@ class Router:
         if request.book:  # a dry run holds nothing
             self._fallback.book(request_id, worker_id)
         self.metrics.fallback_in_flight.set(len(self._fallback.in_flight))
-        page_size = _most_common_page_size(meta.page_size for meta in directory.workers.values())
-        n_pages = len(request.token_ids) // page_size
-        candidates = [CandidateScore(worker_id=w, logit=0.0, overlap=TierOverlap(), prefill_load=0, decode_load=0,
-                                     page_size=directory.workers[w].page_size) for w in workers]
-        response = RouteResponse(
-            request_id=request_id, worker_id=worker_id, logit=0.0, overlap=TierOverlap(), candidates=candidates,
-            request_pages=n_pages, page_size=page_size, degraded=[reason], booked=False,
-            worker_url=directory.workers[worker_id].http_endpoint)
+        response = steps.fallback_response(request_id, len(request.token_ids), worker_id, workers, directory, reason)
+        n_pages, candidates = response.request_pages, response.candidates
         latency = time.perf_counter() - started
         self.metrics.fallbacks.labels(reason.replace("-", "_")).inc()
-        self._observe(response, None, n_pages, latency, "fallback")
-        decision = RouteDecision(
+        self.recorder.observe(response, None, n_pages, latency, "fallback")
+        decision = steps.decision_record(
             request_id=request_id, model=request.model, router_id=self.router_id, ts=time.time(), weights=weights,
-            random_draw=u, page_hashes={}, request_pages=n_pages, chosen=worker_id, candidates=candidates,
-            degraded=[reason], latency_ms=latency * 1000)
+            u=u, pages_by_size={}, n_pages=n_pages, chosen=worker_id, candidates=candidates, degraded=[reason],
+            latency_s=latency, shared_queried=False)
         if self.decision_log is not None:
             self.decision_log.submit(decision)
         return Outcome(response, decision)
@@ -753,7 +452,7 @@ class Router:
 
     async def housekeeping(self) -> None:
         """Refresh the directories of models in use and give back expired bookings."""
-        if not self._state_available():
+        if not self.state_store.available():
             return
         try:
             for model in list(self.models_seen):
@@ -771,9 +470,9 @@ class Router:
                         log.warning("model %s: booked load had drifted from its live bookings; recomputed", model)
             if time.monotonic() - self._hash_checks_read_at >= HASH_CHECK_REFRESH_S:
                 await self.refresh_hash_mismatches()
-            self._state_ok()
+            self.state_store.answered()
         except Exception as exc:  # noqa: BLE001 - any Redis failure degrades the same way
-            self._state_failed(exc)
+            self.state_store.failed(exc)
 
     async def refresh_hash_mismatches(self) -> list[tuple[str, HashCheck]]:
         """Re-read the processors' hash checks; workers that fail them are in /healthz and
@@ -792,9 +491,3 @@ class Router:
                           model, check.worker_id, check.mismatched, check.checked, check.explanation)
         self.hash_mismatches = found
         return found
-
-
-def _most_common_page_size(sizes: Iterable[int]) -> int:
-    """The page size most workers use (the smallest among equals); 1 when none is known."""
-    counts = Counter(size for size in sizes if size > 0)
-    return max(sorted(counts), key=lambda size: counts[size]) if counts else 1

@@ -24,6 +24,22 @@ _PAGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._decisions_by_mode: dict[str, Counter] = {}
+        self._series: dict[int, set[tuple[str, ...]]] = {}  # replace_series: the label sets set last
+        # Registered in this order, which is the order /metrics lists them in.
+        self._add_decision_metrics(r)
+        self._add_request_metrics(r)
+        self._add_state_store_metrics(r)
+        self.proxy_requests = Counter("router_proxy_requests", "Proxied /generate requests by outcome",
+                                      ["outcome"], registry=r)
+        self._add_index_metrics(r)
+        self._add_proxy_metrics(r)
+        self._add_upstream_metrics(r)
+        self._add_admission_metrics(r)
+        self.state_store_up.set(1)
+
+    def _add_decision_metrics(self, r: CollectorRegistry) -> None:
+        """How decisions were made, what they saw, and what they read instead."""
         self.decisions = Counter("router_decisions", "Routing decisions by how they were made "
                                  "(kv: tier-aware; fallback: state store unavailable)", ["mode"], registry=r)
         self.decision_latency = Histogram("router_decision_latency_seconds",
@@ -43,8 +59,6 @@ class RouterMetrics:
         # Every decision observes these: the labelled children are looked up once.
         self.chosen_overlap_by_tier = tuple(self.chosen_overlap.labels(tier)
                                             for tier in ("device", "host", "disk", "shared_beyond"))
-        self._decisions_by_mode: dict[str, Counter] = {}
-        self._series: dict[int, set[tuple[str, ...]]] = {}  # replace_series: the label sets set last
         self.full_reads = Counter("router_full_reads",
                                   "Decisions that read the model's state from Redis instead of this replica's copies "
                                   "of it (a round trip more), by why: index_not_ready, index_behind, rebuilding, "
@@ -60,6 +74,9 @@ class RouterMetrics:
         self.scoring_mismatch = Counter("router_scoring_mismatch",
                                         "Decisions where the in-Redis selection and router/scoring.py disagreed",
                                         registry=r)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Refused requests, releases, and the decision log's publishing."""
         self.bad_requests = Counter("router_bad_requests", "Requests refused with a 4xx, by status",
                                     ["status"], registry=r)
         self.releases = Counter("router_releases", "Booking releases by stage and whether a booking was found",
@@ -68,6 +85,9 @@ class RouterMetrics:
                                               "Decisions published to JetStream", registry=r)
         self.decision_log_dropped = Counter("router_decision_log_dropped",
                                             "Decisions not published (queue full or NATS error)", registry=r)
+
+    def _add_state_store_metrics(self, r: CollectorRegistry) -> None:
+        """Redis, the load booked in it, and what is routed without it."""
         self.state_store_up = Gauge("router_state_store_up", "1 while the last Redis call succeeded",
                                     multiprocess_mode="livemin", registry=r)
         self.load_reconciled = Counter("router_load_reconciled",
@@ -80,8 +100,9 @@ class RouterMetrics:
                                      "Workers whose state began after their engine's first batch (routed to, "
                                      "but missing what the engine held before)", ["model"],
                                      multiprocess_mode="livemax", registry=r)
-        self.proxy_requests = Counter("router_proxy_requests", "Proxied /generate requests by outcome",
-                                      ["outcome"], registry=r)
+
+    def _add_index_metrics(self, r: CollectorRegistry) -> None:
+        """This replica's in-memory index of the workers' pages, and their hashes' checks."""
         self.worker_hash_mismatch = Gauge(
             "router_worker_hash_mismatch_pages",
             "Stored pages whose published hash is not SGLang's chain over their tokens (the router can never "
@@ -101,6 +122,9 @@ class RouterMetrics:
                                  "1 while the model's index follows the feed (decisions read it), 0 while it "
                                  "bootstraps (decisions walk in Redis)", ["model"],
                                  multiprocess_mode="livemin", registry=r)
+
+    def _add_proxy_metrics(self, r: CollectorRegistry) -> None:
+        """Proxied requests (--proxy): tokenizing, the latencies users feel, and the tokenization checks."""
         self.tokenizer_cache_bytes = Gauge("router_tokenizer_cache_bytes",
                                            "What the tokenizer's piece cache holds (bytes, as it counts them "
                                            "against --tokenizer-cache-mb), per model", ["model"],
@@ -141,6 +165,9 @@ class RouterMetrics:
                                           "request's last full page under the router's hash, by outcome (found, "
                                           "missing: the engine tokenized it otherwise, evicted it already, or "
                                           "publishes no events)", ["model", "outcome"], registry=r)
+
+    def _add_upstream_metrics(self, r: CollectorRegistry) -> None:
+        """Workers failing proxied requests: failures, migrations, open circuits."""
         self.upstream_failures = Counter(
             "router_upstream_failures", "Proxied requests a worker failed before the first byte of its answer, by "
             "reason (refused, timeout, disconnected, status_502/503/504)", ["reason"], registry=r)
@@ -151,6 +178,9 @@ class RouterMetrics:
                                   "1 while this replica leaves a worker out after failing to reach it "
                                   "(--breaker-failures in a row)", ["model", "worker"],
                                   multiprocess_mode="livemax", registry=r)
+
+    def _add_admission_metrics(self, r: CollectorRegistry) -> None:
+        """Client connections, the admission queue, and the drain."""
         self.connections_closed = Counter("router_connections_closed",
                                           "Client connections the router closed, by reason (idle: no request "
                                           "head in --header-timeout; header_timeout: a head begun, not finished; "
@@ -167,7 +197,6 @@ class RouterMetrics:
                                           "queue_timeout and draining: 503)", ["reason"], registry=r)
         self.draining = Gauge("router_draining", "1 while this replica drains (SIGTERM): new requests get 503",
                               multiprocess_mode="livemax", registry=r)
-        self.state_store_up.set(1)
 
     def decisions_by_mode(self, mode: str):
         child = self._decisions_by_mode.get(mode)

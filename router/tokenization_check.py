@@ -10,7 +10,8 @@ requests:
   missing because the engine evicted it already, or does not cache or publish; so it is judged
   only when most of the recent checks miss.
 
-Pure bookkeeping, no I/O: the proxy (router/service.py) feeds it, /healthz reads it.
+Pure bookkeeping, no I/O: router/tokenization_watch.py feeds it from the proxy's answers,
+/healthz reads it.
 """
 
 from __future__ import annotations

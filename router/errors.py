@@ -1,0 +1,26 @@
+"""Why a routing decision gave no worker, each with the HTTP status the service answers with."""
+
+from __future__ import annotations
+
+
+class RoutingError(Exception):
+    status = 400
+
+
+class UnknownModel(RoutingError):
+    status = 404
+
+
+class NoWorkers(RoutingError):
+    status = 503
+
+
+class DuplicateRequest(RoutingError):
+    status = 409
+
+
+class Busy(RoutingError):
+    """Every candidate is at or over a busy threshold: the request should wait (the service's
+    queue) or be refused with Retry-After."""
+
+    status = 503
