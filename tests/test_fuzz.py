@@ -2,9 +2,9 @@
 
 Every decoder of input kvtier does not control returns a valid typed value or raises its
 module's documented errors, never anything else, never hangs, and a valid message
-round-trips (in process, hypothesis profile "ci"; strategies shared with `kvtier bench fuzz`
-in kvtier/bench/fuzz.py). Through the real processes: a bridge fed fuzzed engine payloads
-dead-letters each bad one with a reason and applies the valid batches around them; a
+round-trips (in process, hypothesis profile "ci"; the fuzz table shared with `kvtier bench
+fuzz` is kvtier/testing/fuzz_table.py). Through the real processes: a bridge fed fuzzed
+engine payloads dead-letters each bad one with a reason and applies the valid batches around them; a
 processor fed fuzzed stream messages (odd subjects included) likewise; a router fed fuzzed
 HTTP requests answers 4xx naming the problem, never 5xx, and keeps serving.
 
@@ -22,7 +22,6 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kvtier.bench import fuzz
 from kvtier.schemas.events import (
     BridgeCursor,
     EventBatch,
@@ -43,6 +42,7 @@ from kvtier.schemas.sglang import (
 )
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata, decode_worker_metadata
+from kvtier.testing import fuzz_table as fuzz
 
 CI = fuzz.profile()  # "ci" unless KVTIER_FUZZ_PROFILE names another
 #: Through real processes an example takes a second: report a failure as found, unshrunk.
@@ -102,8 +102,9 @@ def _payload(events) -> bytes:
 
 
 def test_a_million_page_event_is_decoded_and_split_to_fit_nats_messages():
-    from kvtier.producers.bridge import _ENVELOPE_BYTES, _chunk_by_pages
     from kvtier.producers.convert import convert_batch
+    from kvtier.producers.message_chunks import ENVELOPE_BYTES as _ENVELOPE_BYTES
+    from kvtier.producers.message_chunks import chunk_by_pages as _chunk_by_pages
 
     n = 1_000_000
     payload = _payload([{"type": "BlockStored", "block_hashes": list(range(n)), "parent_block_hash": -1,
@@ -184,7 +185,7 @@ def test_deep_nesting_is_a_decode_error_not_a_recursion_error():
     caught) and ended the bridge, again at each restart (the replay buffer holds the batch);
     in the processor it failed the whole fetch, redelivered forever: the partition stalled.
     Through the router it was a 500."""
-    from kvtier.router.service import _decode
+    from kvtier.router.refusals import decode_body as _decode
     from kvtier.schemas.health import decode_hash_check
     from kvtier.schemas.routing import RouteRequest
 

@@ -207,3 +207,26 @@ def test_find_cycles_reports_a_circle():
     graph["f"] = {"d"}
     assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["d", "f", "d"]]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set(), "e": {"e"}}) == []
+
+
+def test_the_test_code_in_the_wheel_stays_in_kvtier_testing():
+    """Hypothesis (a test dependency) is imported, even lazily, only by kvtier/testing/, so no
+    service, tool or bench pulls it in; and kvtier/testing/ (the process stacks the benches, the
+    evaluation and the tests share, and the fuzz table of every decoder, the tools' too) never
+    imports the benches, the evaluation or the commands."""
+    modules = module_files()
+    with_hypothesis = sorted(
+        module for module, path in modules.items()
+        if any(isinstance(node, (ast.Import, ast.ImportFrom))
+               and any(name.split(".")[0] == "hypothesis"
+                       for name in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                                    else [node.module or ""]))
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))))
+    assert with_hypothesis, "no module imports hypothesis: the check looks at nothing"
+    outside = [m for m in with_hypothesis if not m.startswith("kvtier.testing.")]
+    assert not outside, "hypothesis imported outside kvtier/testing/:\n  " + "\n  ".join(outside)
+    graph = import_graph()
+    above = ("kvtier.bench", "kvtier.eval", "kvtier.commands", "kvtier.cli")
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("kvtier.testing.")
+                    for t in targets if any(t == p or t.startswith(p + ".") for p in above))
+    assert not upward, "kvtier/testing/ imports upward:\n  " + "\n  ".join(upward)

@@ -51,7 +51,6 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from kvtier.bench.processes import KvtierSubprocess
 from kvtier.consumers.apply import read_worker_pages
 from kvtier.harness.embedded import NatsServer, RedisServer
 from kvtier.schemas.jetstream import PullRequest, encode_pull_request
@@ -59,6 +58,7 @@ from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys
 from kvtier.schemas.subjects import EVENTS_STREAM, partition_of, pull_next_subject, subject_token
 from kvtier.sim.hicache_sim import HiCacheSim, SimConfig
 from kvtier.sim.sglang_publisher import SglangEventPublisher
+from kvtier.testing.processes import KvtierSubprocess
 
 MODEL = "bench-faults"
 KINDS = ("processor_kill", "processor_pause", "bridge_kill", "nats_kill", "redis_kill", "redis_loss",

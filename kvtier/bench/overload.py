@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from kvtier.bench.clients import closed_loop_rate
+from kvtier.testing.clients import closed_loop_rate
 
 MODEL = "bench/overload-model"
 PAGE_SIZE = 64
@@ -194,7 +194,7 @@ async def _tokenizer_cache_mb(session, router: str) -> float | None:
 async def _drive(stack: _Stack, args) -> dict:
     import aiohttp
 
-    from kvtier.bench.processes import rss_mb
+    from kvtier.testing.processes import rss_mb
 
     rng = random.Random(args.seed)
     vocabulary = stack.vocabulary
@@ -330,9 +330,9 @@ class _Stack:
 def run_overload_bench(args) -> int:
     import redis
 
-    from kvtier.bench.processes import KvtierSubprocess, start_sim_workers, wait_announced
     from kvtier.bench.proxy import _wait_up, write_tokenizer
     from kvtier.harness.embedded import NatsServer, RedisServer, free_port
+    from kvtier.testing.processes import KvtierSubprocess, start_sim_workers, wait_announced
 
     work = tempfile.mkdtemp(prefix="kvtier-bench-overload-")
     tokenizer = os.path.join(work, "tokenizer")

@@ -61,8 +61,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvtier.bench.clients import closed_loop_rate
 from kvtier.schemas.openai import reported_usage
+from kvtier.testing.clients import closed_loop_rate
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -538,8 +538,8 @@ def run_proxy_bench(args) -> int:
     import redis
 
     from kvtier.bench.deepseek import write_deepseek_tokenizer
-    from kvtier.bench.processes import KvtierSubprocess, start_sim_workers, wait_announced
     from kvtier.harness.embedded import NatsServer, RedisServer, free_port
+    from kvtier.testing.processes import KvtierSubprocess, start_sim_workers, wait_announced
 
     names = _workload_names(args.workloads)
     work = tempfile.mkdtemp(prefix="kvtier-bench-proxy-")
@@ -585,7 +585,7 @@ def run_proxy_bench(args) -> int:
 async def _wait_up(routers: list[str], processes) -> None:
     import aiohttp
 
-    from kvtier.bench.processes import wait_http
+    from kvtier.testing.processes import wait_http
 
     async with aiohttp.ClientSession() as session:
         for router in routers:

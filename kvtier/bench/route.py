@@ -50,7 +50,6 @@ import tracemalloc
 import msgspec
 import redis
 
-from kvtier.bench import clients
 from kvtier.consumers.apply import TierStateWriter
 from kvtier.harness.embedded import RedisServer
 from kvtier.plumbing.connections import redis_async_client
@@ -61,6 +60,7 @@ from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
+from kvtier.testing import clients
 
 MODEL = "bench-model"
 SCALE_MODEL = "bench-model-1m"
@@ -774,8 +774,8 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
     import subprocess
     import tempfile
 
-    from kvtier.bench.processes import KvtierSubprocess
     from kvtier.harness.embedded import free_port
+    from kvtier.testing.processes import KvtierSubprocess
 
     port, bare_port, multi_port = free_port(), free_port(), free_port()
 

@@ -50,12 +50,13 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from kvtier.bench import clients
-from kvtier.bench.processes import KvtierSubprocess, rss_mb, wait_http
 from kvtier.eval.trace import SAMPLE_TRACE, TraceRequest, load_trace
-from kvtier.schemas.jetstream import Jsz, StreamState, decode_jsz
+from kvtier.schemas.jetstream import decode_jsz
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.sim import SimGenerateBody
+from kvtier.testing import clients
+from kvtier.testing.nats_monitor import streams_of
+from kvtier.testing.processes import KvtierSubprocess, rss_mb, wait_http
 
 MODEL = "soak"
 TRACE_BLOCK_TOKENS = 512
@@ -186,37 +187,11 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _parse_ts(text: str | None) -> float | None:
-    """NATS monitoring timestamps: RFC 3339 with nanoseconds."""
-    from datetime import datetime
-
-    if not text or text.startswith("0001-"):
-        return None
-    head, _, frac = text.rstrip("Z").partition(".")
-    try:
-        base = datetime.fromisoformat(head + "+00:00").timestamp()
-        return base + (float("0." + frac.split("+")[0].split("-")[0]) if frac else 0.0)
-    except (ValueError, OverflowError):
-        return None
-
-
 def jetstream_streams(monitor_port: int) -> dict[str, dict]:
     """name -> {bytes, messages, age_s} from nats-server's /jsz."""
     url = f"http://127.0.0.1:{monitor_port}/jsz?streams=true"
     with urllib.request.urlopen(url, timeout=2) as response:
         return streams_of(decode_jsz(response.read()), time.time())
-
-
-def streams_of(jsz: Jsz, now: float) -> dict[str, dict]:
-    """name -> {bytes, messages, age_s} (seconds since the oldest message, at `now`)."""
-    out = {}
-    for account in jsz.account_details or []:
-        for stream in account.stream_detail or []:
-            state = stream.state or StreamState()
-            first = _parse_ts(state.first_ts)
-            out[stream.name] = {"bytes": state.bytes, "messages": state.messages,
-                                "age_s": round(now - first, 1) if first and state.messages else 0.0}
-    return out
 
 
 def _text(value) -> str:

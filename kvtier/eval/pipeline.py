@@ -24,14 +24,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from kvtier.bench import clients
-from kvtier.bench.processes import KvtierSubprocess, wait_http
 from kvtier.eval.policies import CandidateView, Decision, worker_id
 from kvtier.eval.trace import PreparedRequest
 from kvtier.schemas.router_health import decode_router_health
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.sim.sim_cluster import SimCluster
+from kvtier.testing import clients
+from kvtier.testing.processes import KvtierSubprocess, wait_http
 
 #: How long the driver waits for the pipeline to apply a batch before calling it broken.
 CATCH_UP_TIMEOUT_S = 60.0

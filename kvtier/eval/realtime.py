@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier.bench import clients
-from kvtier.bench.processes import KvtierSubprocess, wait_announced, wait_http
 from kvtier.eval.policies import DEVICE_ONLY
 from kvtier.eval.trace import TraceRequest, trace_tokens
 from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
@@ -25,6 +23,8 @@ from kvtier.schemas.sglang_server import GenerateMetaInfo, SamplingParams
 from kvtier.schemas.sim import SimGenerateBody
 from kvtier.sim.cost_model import COST_FLAGS
 from kvtier.sim.sim_cluster import ClusterShape
+from kvtier.testing import clients
+from kvtier.testing.processes import KvtierSubprocess, wait_announced, wait_http
 
 ROUTED = {"least_load", "device_only", "tier_aware", "tier_aware_shared"}
 
