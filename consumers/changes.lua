@@ -1,6 +1,6 @@
 -- The change feed (schemas/changes.py): every script that changes a worker's pages set ends
 -- by appending what it changed to the model's feed, inside the same atomic call, so the feed
--- and the state never disagree. Routers' in-memory indexes follow it (router/mirror.py).
+-- and the state never disagree. Routers' in-memory indexes follow it (router/index_feed.py).
 -- An entry: n (the model's change counter: a reader that sees n skip knows it missed
 -- entries, whether trimmed away or lost with the store), w (worker), o (ops, comma-separated:
 -- "C" the worker's pages all gone, or kind S|R, tier digit, page keys as 16 hex digits each).

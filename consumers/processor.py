@@ -22,7 +22,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -31,12 +30,13 @@ import nats.errors
 import nats.js.errors
 import redis
 
-from kvtier.consumers.apply import DEFAULT_CHANGES_MAXLEN, ApplyMode, ApplyStatus, TierStateWriter
+from kvtier.consumers.apply import ApplyMode, ApplyStatus, TierStateWriter
 from kvtier.consumers.dead_letters import decode_or_dead_letter
 from kvtier.consumers.expiry import LeaseExpiry
-from kvtier.consumers.hash_check import DEFAULT_BUDGET_PAGES_PER_S, HashValidator
+from kvtier.consumers.hash_check import HashValidator
 from kvtier.consumers.ownership import PartitionLeases
 from kvtier.consumers.partitions import Durables, hold_fair_share
+from kvtier.consumers.processor_config import ProcessorConfig
 from kvtier.consumers.processor_metrics import (
     ANNOUNCES,
     APPLIED_BATCHES,
@@ -51,7 +51,7 @@ from kvtier.consumers.processor_metrics import (
 from kvtier.consumers.pull import consume
 from kvtier.consumers.recovery import StateRecovery
 from kvtier.plumbing.connections import redact, redis_async_client, redis_client
-from kvtier.plumbing.streams import StreamSettings, connect_nats, ensure_streams_when_ready
+from kvtier.plumbing.streams import connect_nats, ensure_streams_when_ready
 from kvtier.schemas.events import ControlRequest, EventBatch, WorkerAnnounce, WorkerExpired, encode_control
 from kvtier.schemas.health import decode_hash_check, encode_hash_check
 from kvtier.schemas.state_keys import ModelKeys
@@ -83,38 +83,6 @@ def _really_cancelled() -> bool:
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+; on 3.10 every one is taken as real
     return task is None or cancelling is None or cancelling() > 0
-
-
-@dataclass
-class ProcessorConfig:
-    nats_url: str
-    redis_url: str
-    partitions: list[int] | None = None  # None: all partitions of the stream
-    durable_prefix: str = "kvtier-processor"
-    fetch_batch: int = 256
-    gap_timeout_s: float = 10.0
-    ack_wait_s: float = 30.0
-    #: A worker gone (no lease) longer than this is forgotten: every key it left is removed.
-    worker_retention_s: float = 3600.0
-    #: A gap held back this long is taken for deliveries lost with a pull: the partition's
-    #: consumer is rewound to its ack floor (once per gap), well within the gap timeout.
-    lost_delivery_s: float = 1.0
-    reap_interval_s: float = 1.0
-    resync_min_interval_s: float = 2.0
-    streams: StreamSettings = field(default_factory=StreamSettings)
-    partitions_explicit: bool = False
-    auto_partitions: bool = False  # claim a fair share of partitions through Redis leases
-    partition_lease_s: float = 5.0
-    #: Recompute SGLang's page hash of stored pages from their tokens (schemas/health.py).
-    hash_check: bool = True
-    #: At most this many pages recomputed per second (0: no limit).
-    hash_check_budget: float = DEFAULT_BUDGET_PAGES_PER_S
-    #: A rebuild claimed by a processor that then went silent this long is taken over.
-    rebuild_scan_timeout_s: float = 10.0
-    #: A worker whose last message is older than this (when it announced no lease) counts as dead.
-    default_lease_s: float = 10.0
-    #: Entries each model's change feed keeps (routers' indexes follow it; apply.py).
-    changes_maxlen: int = DEFAULT_CHANGES_MAXLEN
 
 
 class Processor:
@@ -155,8 +123,8 @@ class Processor:
             if total is None:
                 return
             self.total_partitions = total
-            self.partitions = (self.cfg.partitions if self.cfg.partitions is not None and not self.cfg.auto_partitions
-                               else list(range(total)))
+            listed = self.cfg.listed_partitions
+            self.partitions = listed if listed is not None else list(range(total))
             bad = [p for p in self.partitions if not 0 <= p < total]
             if bad:
                 raise ValueError(f"partitions {bad} do not exist: the stream has {total} (0..{total - 1})")

@@ -24,11 +24,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _default(action: argparse.Action) -> str:
-    if action.required:
+def default_cell(value, *, required: bool = False, switch: bool = False) -> str:
+    """How the table writes a flag's default."""
+    if required:
         return "**required**"
-    value = action.default
-    if isinstance(action, argparse._StoreTrueAction):
+    if switch:
         return "off"
     if value is None:
         return "—"
@@ -37,9 +37,21 @@ def _default(action: argparse.Action) -> str:
     return f"`{value}`"
 
 
-def render() -> str:
-    from kvtier.cli import build_parser
+def row(flag: str, default: str, help_text: str, choices=None) -> str:
+    """One flag's row: its name, its variable, `default` (a default_cell) and its help without
+    the [env ...] note the parser adds."""
     from kvtier.commands.flags import env_name
+
+    help_text = help_text.replace(f" [env {env_name(flag)}]", "").strip()
+    if choices is not None:
+        help_text += f" One of: {', '.join(map(str, choices))}."
+    return f"| `{flag}` | `{env_name(flag)}` | {_cell(default)} | {_cell(help_text)} |"
+
+
+def render() -> str:
+    """The tables, from the parser every `kvtier` command line goes through (tests/test_settings_declared_once.py
+    checks them against the settings classes' declarations too)."""
+    from kvtier.cli import build_parser
 
     saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("KVTIER_")]}
     try:  # defaults as documented, not as this shell's KVTIER_* would make them
@@ -55,11 +67,9 @@ def render() -> str:
             longs = [o for o in action.option_strings if o.startswith("--")]
             if not longs or longs[0] == "--help":
                 continue
-            flag = longs[0]
-            help_text = (action.help or "").replace(f" [env {env_name(flag)}]", "").strip()
-            if action.choices is not None:
-                help_text += f" One of: {', '.join(map(str, action.choices))}."
-            out.append(f"| `{flag}` | `{env_name(flag)}` | {_cell(_default(action))} | {_cell(help_text)} |")
+            default = default_cell(action.default, required=action.required,
+                                   switch=isinstance(action, argparse._StoreTrueAction))
+            out.append(row(longs[0], default, action.help or "", action.choices))
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

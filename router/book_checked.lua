@@ -2,21 +2,21 @@
 -- still the state Redis holds: the compare-and-set that makes selection and booking one
 -- atomic step without handing the script every candidate (select_and_book.lua, which this
 -- replaces on the hot path, pays for every value crossing into the script). O(1) whatever
--- the number of workers. The choice itself is router/scoring.py's, on the loads the replica
--- mirrors at a load version: equal versions mean equal loads (bookings.lua bumps the version
+-- the number of workers. The choice itself is router/scoring.py's, on the replica's copy of
+-- the loads at a load version: equal versions mean equal loads (bookings.lua bumps the version
 -- with every load write), so the choice is the one select_and_book.lua would have made.
--- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 leases zset, 5 stale
---       workers set, 6 incarnation marker hash, 7 change counter, 8 load version, 9 the
---       session's key (the model's key base when the request has no session)
+-- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 load version (the load
+--       keys of bookings.lua), 5 leases zset, 6 stale workers set, 7 incarnation marker hash,
+--       8 change counter, 9 the session's key (the model's key base when the request has no
+--       session), 10 the request's booking hash; every key this script touches
 -- Nothing expired is swept here (housekeeping sweeps): a booking costs a dozen commands.
--- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 worker, 6 prefill
---       pages to book, 7 decode pages to book, 8 the load version the choice was made at,
---       9 the change number the replica's index had applied when it gave the overlaps ("": do
---       not check; the decision already waited for the index to apply what a try found), 10
---       the leases zset's size and
---       11 the stale set's size when the replica read them, 12 the marker id it read,
---       13 book (1|0), 14 session ttl (ms; 0: no session), 15 1 when the choice leaves the
---       session's worker on purpose (it is not a candidate), else 0
+-- ARGV: 1 now (unix ms), 2 booking ttl (ms), 3 request id, 4 worker, 5 prefill pages to
+--       book, 6 decode pages to book, 7 the load version the choice was made at, 8 the change
+--       number the replica's index had applied when it gave the overlaps ("": do not check;
+--       the decision already waited for the index to apply what a try found), 9 the leases
+--       zset's size and 10 the stale set's size when the replica read them, 11 the marker id
+--       it read, 12 book (1|0), 13 session ttl (ms; 0: no session), 14 1 when the choice
+--       leaves the session's worker on purpose (it is not a candidate), else 0
 -- Returns one of
 --   {1, load version after booking, the session's worker as found ("" when none, or left)}
 --                                         booked (or, with book 0, the copy is current)
@@ -25,44 +25,44 @@
 --   {-5, change counter}                  the feed is past the index: decide once it has applied it
 --   {-3, load version, {prefill hash}, {decode hash}}  the loads moved: here they are, choose again
 --   {-4, worker}                          the session keeps another worker: choose it
-local base, now, ttl, request_id, worker = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
-local book = ARGV[13] == '1'
-local bk = base .. ':bk:' .. request_id
+local now, ttl, request_id, worker = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local book = ARGV[12] == '1'
+local bk = KEYS[10]
 if book and redis.call('EXISTS', bk) == 1 then
   return {-1, redis.call('HGET', bk, 'worker')}
 end
 
-local change = tonumber(redis.call('GET', KEYS[7]) or '0')
-if ARGV[9] ~= '' and change > tonumber(ARGV[9]) then return {-5, change} end
-if redis.call('ZCARD', KEYS[4]) ~= tonumber(ARGV[10]) or redis.call('SCARD', KEYS[5]) ~= tonumber(ARGV[11]) then
+local change = tonumber(redis.call('GET', KEYS[8]) or '0')
+if ARGV[8] ~= '' and change > tonumber(ARGV[8]) then return {-5, change} end
+if redis.call('ZCARD', KEYS[5]) ~= tonumber(ARGV[9]) or redis.call('SCARD', KEYS[6]) ~= tonumber(ARGV[10]) then
   return {-2, change}
 end
-local marker = redis.call('HMGET', KEYS[6], 'ready', 'rebuilding', 'id')
-local expiry = tonumber(redis.call('ZSCORE', KEYS[4], worker) or '0')
-if marker[1] ~= '1' or marker[2] == '1' or (marker[3] or '') ~= ARGV[12] or expiry <= now then
+local marker = redis.call('HMGET', KEYS[7], 'ready', 'rebuilding', 'id')
+local expiry = tonumber(redis.call('ZSCORE', KEYS[5], worker) or '0')
+if marker[1] ~= '1' or marker[2] == '1' or (marker[3] or '') ~= ARGV[11] or expiry <= now then
   return {-2, change}
 end
 
-local session_ttl = tonumber(ARGV[14])
+local session_ttl = tonumber(ARGV[13])
 local kept = ''
-if session_ttl > 0 and ARGV[15] ~= '1' then
+if session_ttl > 0 and ARGV[14] ~= '1' then
   kept = redis.call('GET', KEYS[9]) or ''
   if kept ~= '' and kept ~= worker then return {-4, kept} end
 end
 
-local version = redis.call('GET', KEYS[8]) or '0'
-if version ~= ARGV[8] then
-  return {-3, version, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+local version = redis.call('GET', LOAD.version) or '0'
+if version ~= ARGV[7] then
+  return {-3, version, redis.call('HGETALL', LOAD.prefill), redis.call('HGETALL', LOAD.decode)}
 end
 if not book then return {1, tonumber(version), kept} end
 
-local prefill_pages, decode_pages = tonumber(ARGV[6]), tonumber(ARGV[7])
-add_load(KEYS[1], worker, prefill_pages)
-add_load(KEYS[2], worker, decode_pages)
-version = loads_changed(base)
+local prefill_pages, decode_pages = tonumber(ARGV[5]), tonumber(ARGV[6])
+add_load(LOAD.prefill, worker, prefill_pages)
+add_load(LOAD.decode, worker, decode_pages)
+version = loads_changed()
 redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
 -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
 redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
-redis.call('ZADD', KEYS[3], now + ttl, request_id)
+redis.call('ZADD', LOAD.bookings, now + ttl, request_id)
 if session_ttl > 0 then redis.call('SET', KEYS[9], worker, 'PX', session_ttl) end
 return {1, version, kept}

@@ -14,6 +14,8 @@ from kvtier.plumbing.multiplexed import MultiplexedRedis
 from kvtier.schemas.routing import ReleaseStage
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
+from .settings import BOOKING_TTL_S
+
 _COMMON = load_lua("kvtier.router", "bookings.lua")
 SWEEP_LIMIT = 256
 
@@ -66,8 +68,14 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _load_keys(keys: ModelKeys) -> list[str]:
+    """The keys every booking script is given first (bookings.lua): the load hashes, the
+    bookings and the load version."""
+    return [keys.prefill_load, keys.decode_load, keys.bookings, keys.load_version]
+
+
 class LoadBook:
-    def __init__(self, client, booking_ttl_s: float = 600.0):
+    def __init__(self, client, booking_ttl_s: float = BOOKING_TTL_S):
         """`client`: a redis.asyncio client. The two scripts of every decision (book_checked,
         release) go over one connection shared by all of them where its transport allows
         (kvtier/plumbing/multiplexed.py); everything else through `client`."""
@@ -96,7 +104,7 @@ class LoadBook:
         args += (",".join(c[0] for c in candidates), ",".join(repr(float(c[1])) for c in candidates),
                  ",".join(str(c[2]) for c in candidates), selection, predict if book else "",
                  ",".join(str(d) for d in devices) if predict else "")
-        raw = await self._select(keys=[keys.prefill_load, keys.decode_load, keys.bookings], args=args)
+        raw = await self._select(keys=[*_load_keys(keys), keys.booking(request_id), keys.round_robin], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))
         n = len(candidates)
@@ -112,9 +120,9 @@ class LoadBook:
         session_key = keys.session(session_id) if session_id else keys.base
         raw = await self._run(
             self._checked,
-            [keys.prefill_load, keys.decode_load, keys.bookings, keys.leases, keys.stale_workers,
-             keys.incarnation, keys.changes_counter, keys.load_version, session_key],
-            [keys.base, _now_ms(), self.ttl_ms, request_id, worker_id, prefill_pages, decode_pages,
+            [*_load_keys(keys), keys.leases, keys.stale_workers, keys.incarnation, keys.changes_counter, session_key,
+             keys.booking(request_id)],
+            [_now_ms(), self.ttl_ms, request_id, worker_id, prefill_pages, decode_pages,
              -1 if load_version is None else load_version, "" if change is None else change, lease_count,
              stale_count, marker_id, 1 if book else 0, session_ttl_ms if session_id else 0,
              1 if leave_session else 0])
@@ -129,7 +137,7 @@ class LoadBook:
 
     async def release(self, model: str, request_id: str, stage: ReleaseStage) -> Released:
         keys = ModelKeys.for_model(model)
-        raw = await self._run(self._release, [keys.prefill_load, keys.decode_load, keys.bookings],
+        raw = await self._run(self._release, [*_load_keys(keys), keys.booking(request_id)],
                               [keys.base, request_id, stage.value, _now_ms(), 32])
         return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0))
 
@@ -146,12 +154,11 @@ class LoadBook:
         """Recompute the model's booked loads from its live bookings; True if they had drifted
         (load a lost booking could not give back, now returned)."""
         keys = ModelKeys.for_model(model)
-        _, corrected = await self._reconcile(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
-                                             args=[keys.base, _now_ms(), SWEEP_LIMIT])
+        _, corrected = await self._reconcile(keys=_load_keys(keys), args=[keys.base, _now_ms(), SWEEP_LIMIT])
         return bool(int(corrected))
 
     async def sweep(self, model: str) -> None:
         """Give back the load of expired bookings (also done a little on every selection)."""
         keys = ModelKeys.for_model(model)
-        await self._release(keys=[keys.prefill_load, keys.decode_load, keys.bookings],
-                            args=[keys.base, "", ReleaseStage.COMPLETE.value, _now_ms(), SWEEP_LIMIT])
+        await self._release(keys=_load_keys(keys), args=[keys.base, "", ReleaseStage.COMPLETE.value, _now_ms(),
+                                                          SWEEP_LIMIT])

@@ -46,9 +46,9 @@ from .errors import DuplicateRequest, NoWorkers, RoutingError, UnknownModel
 from .fallback import Fallback as _Fallback  # the name tests/test_restarts_and_lag.py imports
 from .fallback import StateStoreWatch
 from .hashing import RequestPages
+from .index_feed import CATCH_UP_WAIT_S, IndexedOverlapReader, ModelIndex, TierIndexes
 from .lean import LEAN_ATTEMPTS
 from .metrics import RouterMetrics
-from .mirror import CATCH_UP_WAIT_S, MirroredOverlapReader, ModelMirror, TierMirror
 from .recording import DecisionRecorder
 from .roster import Roster, Rosters
 from .settings import RouterSettings
@@ -106,16 +106,17 @@ class Router:
         self.metrics = metrics
         self.redis = redis_client
         self.directory = WorkerDirectory(redis_client)
-        self.mirror: TierMirror | None = None
+        #: Each model's in-memory index (router/index_feed.py); None when decisions walk in Redis.
+        self.indexes: TierIndexes | None = None
         walk = OverlapReader(redis_client)
         self.reader: TierStateReader = walk
         if settings.reads_index:
-            self.mirror = TierMirror(redis_client, metrics, block_ms=settings.index_block_ms)
-            self.reader = MirroredOverlapReader(redis_client, self.mirror, walk)
+            self.indexes = TierIndexes(redis_client, metrics, block_ms=settings.index_block_ms)
+            self.reader = IndexedOverlapReader(redis_client, self.indexes, walk)
         self.book = LoadBook(redis_client, settings.booking_ttl_s)
         #: The lean decision's copies of each model's roster and loads (router/roster.py): with
         #: an index and the formula's selection; None otherwise (every decision reads Redis).
-        self.rosters = Rosters(redis_client) if self.mirror is not None and settings.selection == "score" else None
+        self.rosters = Rosters(redis_client) if self.indexes is not None and settings.selection == "score" else None
         self.copy_booking = lean.CopyBooking(self.book, settings)  # the lean decision's booking
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_backoff_s)
         self.shared_pool = shared_pool
@@ -137,6 +138,11 @@ class Router:
     def last_state_error(self) -> str:
         """The state store's last failure ("" once it answers again)."""
         return self.state_store.last_error
+
+    @property
+    def mirror(self) -> TierIndexes | None:
+        """The old name of `indexes`, for callers not yet moved (kvtier/bench/route.py)."""
+        return self.indexes
 
     @property
     def last_shared_pool_error(self) -> str:
@@ -197,11 +203,11 @@ class Router:
         the decision needs the full read instead, why (FULL_READ_REASONS): the index is not
         ready or behind, the store's state is being rebuilt, no worker is live and fresh (the
         full read says what to do), or the copies kept moving."""
-        assert self.rosters is not None and self.mirror is not None
+        assert self.rosters is not None and self.indexes is not None
         model = request.model
         directory = await self._directory(model)
         keys = ModelKeys.for_model(model)
-        index = self.mirror.model(keys.model_token)
+        index = self.indexes.model(keys.model_token)
         held = self.rosters.model(model)
         # Set once a try found the feed past the index and the decision waited for it: changes
         # after that came after the decision began, as a read's would have.
@@ -231,7 +237,7 @@ class Router:
         self.state_store.answered()
         return self._lean_outcome(request, request_id, weights, u, started, read, booked, directory, pages_by_size)
 
-    async def _lean_inputs(self, request: RouteRequest, weights: ScoringWeights, index: ModelMirror, roster: Roster,
+    async def _lean_inputs(self, request: RouteRequest, weights: ScoringWeights, index: ModelIndex, roster: Roster,
                            directory: ModelDirectory, pages_by_size: dict[int, RequestPages],
                            exclude: frozenset[str]) -> lean.LeanInputs:
         """One try's candidates and what it chooses on: the index's overlaps (with the shared
@@ -434,18 +440,18 @@ class Router:
     async def close(self) -> None:
         """Stop the index followers and the bookings' own connection (the Redis client is the
         caller's)."""
-        if self.mirror is not None:
-            await self.mirror.close()
+        if self.indexes is not None:
+            await self.indexes.close()
         await self.book.close()
 
     async def start_indexes(self, quiet: bool = False) -> None:
         """Begin building the index of every model the store knows (at start, before the first
         request; then from housekeeping, for models that appeared since)."""
-        if self.mirror is None:
+        if self.indexes is None:
             return
         try:
             for model in await self.directory.known_models():
-                self.mirror.model(model)  # starts the model's index once
+                self.indexes.model(model)  # starts the model's index once
         except Exception as exc:  # noqa: BLE001 - each index is built on first use instead
             if not quiet:
                 log.warning("could not list the store's models (%s); indexes are built on first use", exc)

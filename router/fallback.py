@@ -8,7 +8,7 @@ import logging
 import time
 
 from .metrics import RouterMetrics
-from .settings import RouterSettings
+from .settings import BOOKING_TTL_S, RouterSettings
 
 log = logging.getLogger("kvtier.router")
 
@@ -45,7 +45,7 @@ class Fallback:
     than `ttl_s` (a request whose release never came), or when `max_entries` newer ones
     came after it, so a long outage neither grows it nor skews the counts for good."""
 
-    def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000, clock=time.monotonic) -> None:
+    def __init__(self, ttl_s: float = BOOKING_TTL_S, max_entries: int = 100_000, clock=time.monotonic) -> None:
         self.in_flight: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
         self.ttl_s = ttl_s
         self.max_entries = max_entries

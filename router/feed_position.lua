@@ -1,5 +1,5 @@
 -- Where a model's change feed stands, noted atomically by a bootstrap before it scans the
--- pages sets (router/mirror.py): the marker's id, the change counter, the last entry's id,
+-- pages sets (router/index_feed.py): the marker's id, the change counter, the last entry's id,
 -- and the workers whose sets to scan.
 -- KEYS: 1 the incarnation marker, 2 the change counter, 3 the change feed stream, 4 the workers set
 -- Returns {marker id ("" when missing), counter ("0" when none), last entry id ("0-0" when

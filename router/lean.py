@@ -16,7 +16,7 @@ from . import steps
 from .booking import AlreadyBooked, Checked, LoadBook
 from .errors import Busy, DuplicateRequest
 from .hashing import RequestPages
-from .mirror import CATCH_UP_WAIT_S, ModelMirror
+from .index_feed import CATCH_UP_WAIT_S, ModelIndex
 from .roster import ModelRoster, Roster
 from .settings import RouterSettings
 
@@ -74,7 +74,7 @@ class LeanBooked:
     pool: list[int]  # the indexes of the candidates under the busy thresholds
 
 
-async def usable_roster(index: ModelMirror, held: ModelRoster) -> Roster | str:
+async def usable_roster(index: ModelIndex, held: ModelRoster) -> Roster | str:
     """The roster copy to decide on, or why the decision needs the full read instead
     (core.FULL_READ_REASONS)."""
     if not index.ready:
@@ -90,7 +90,7 @@ async def usable_roster(index: ModelMirror, held: ModelRoster) -> Roster | str:
     return roster
 
 
-def read_overlaps(index: ModelMirror, roster: Roster, token_ids, pages_by_size: dict[int, RequestPages]
+def read_overlaps(index: ModelIndex, roster: Roster, token_ids, pages_by_size: dict[int, RequestPages]
                   ) -> tuple[dict[str, TierOverlap], int]:
     """Every live worker's overlap as the index has it, and the index's change counter then.
     `pages_by_size` keeps the request's pages at each size hashed once across tries."""

@@ -1,7 +1,10 @@
 -- Every live worker's tiered overlap with a request, and its booked load, in one call.
 -- KEYS: 1 leases zset, 2 prefill load hash, 3 decode load hash, 4 stale-workers set,
---       5 page-size hash, 6 incarnation marker, 7 the change counter (all in the model's slot;
---       each worker's pages set is derived from ARGV[1], which carries the same hash tag)
+--       5 page-size hash, 6 incarnation marker, 7 the change counter
+-- Each live worker's pages set and predicted-pages hash are built from the key base (ARGV 1)
+-- instead: which workers are live is learnt here, from the leases, in the same atomic step.
+-- They carry the model's hash tag {m} like the keys given, so they are in the same slot, on
+-- the same Redis Cluster node.
 -- ARGV: 1 key base "kvt:{m}", 2 now (unix ms), 3 first chunk size,
 --       4.. pairs: page size, page-key blob (16 hex digits per page, in request order)
 -- Returns a flat list: first 1 if the model's state is being rebuilt (marker missing, not
@@ -17,7 +20,7 @@
 -- Predicted pages (a worker's ':predicted' hash: page key -> bookings not yet complete that
 -- will hold the page on its device) extend the device prefix: where a worker has any, its
 -- first stage walks pages that are on device or predicted, counting each where it is found.
--- An empty page-key blob walks nothing: a router with an in-memory index (router/mirror.py)
+-- An empty page-key blob walks nothing: a router with an in-memory index (router/index_feed.py)
 -- reads only who is live, stale, at which page size and how loaded, and walks in memory.
 local base, first_chunk = ARGV[1], tonumber(ARGV[3])
 local TAG = {'1', '2', '4'}  -- device, host, disk: the tier bits as pages-set tags

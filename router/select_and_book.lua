@@ -2,7 +2,10 @@
 -- replicas always see each other's bookings. The load-free part of each score (the cache
 -- credit) comes from router/scoring.py; the load-dependent step below is the same formula
 -- (tests/test_router_scoring.py checks both choose alike).
--- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset
+-- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 load version (the load
+--       keys of bookings.lua), 5 the request's booking hash, 6 the model's round-robin turn
+-- The key base (ARGV 1) builds only what bookings.lua says it builds: expired bookings' hashes
+-- and the chosen worker's predicted pages.
 -- ARGV: 1 key base, 2 now (unix ms), 3 booking ttl (ms), 4 request id, 5 request pages,
 --       6 decode pages, 7 prefill_load_scale, 8 temperature, 9 u in [0,1), 10 book (1|0),
 --       11 workers (comma-separated), 12 their cache credits (comma-separated decimals),
@@ -10,7 +13,7 @@
 --       request pages minus these) (comma-separated); one argument each, not 3 per worker,
 --       because packing hundreds of arguments costs the client more than splitting costs here;
 --       14 selection: "score" (the formula), "round-robin" (the model's next turn, one counter
---       for every replica: key base .. ':rr') or "random" (uniform by u); each books alike;
+--       for every replica: KEYS[6]) or "random" (uniform by u); each books alike;
 --       15 the request's page keys (16 hex digits each) to predict on the chosen worker, or ""
 --       for no prediction; 16 each worker's device overlap (comma-separated): the chosen
 --       worker's pages past it are predicted there (one more booking holding each) until the
@@ -21,17 +24,18 @@ local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local request_id, request_pages, decode_pages = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local scale, temperature, u, book = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10] == '1'
 
-sweep_expired(base, now, 32, KEYS[1], KEYS[2])
-if book and redis.call('EXISTS', base .. ':bk:' .. request_id) == 1 then
-  return {-1, redis.call('HGET', base .. ':bk:' .. request_id, 'worker')}
+local bk = KEYS[5]
+sweep_expired(base, now, 32)
+if book and redis.call('EXISTS', bk) == 1 then
+  return {-1, redis.call('HGET', bk, 'worker')}
 end
 
 local workers, credits, devices = {}, {}, {}
 for w in string.gmatch(ARGV[11], '[^,]+') do workers[#workers + 1] = w end
 for c in string.gmatch(ARGV[12], '[^,]+') do credits[#credits + 1] = tonumber(c) end
 for d in string.gmatch(ARGV[13], '[^,]+') do devices[#devices + 1] = tonumber(d) end
-local prefill = redis.call('HMGET', KEYS[1], unpack(workers))
-local decode = redis.call('HMGET', KEYS[2], unpack(workers))
+local prefill = redis.call('HMGET', LOAD.prefill, unpack(workers))
+local decode = redis.call('HMGET', LOAD.decode, unpack(workers))
 
 local logits, low, high = {}, math.huge, -math.huge
 for k = 1, #workers do
@@ -46,7 +50,7 @@ if u >= 1 then u = 1 - 2 ^ -53 elseif u < 0 then u = 0 end
 local chosen
 local selection = ARGV[14] or 'score'
 if selection == 'round-robin' then
-  chosen = (redis.call('INCR', base .. ':rr') - 1) % #workers + 1
+  chosen = (redis.call('INCR', KEYS[6]) - 1) % #workers + 1
 elseif selection == 'random' then
   chosen = math.floor(u * #workers) + 1
 elseif temperature <= 0 then
@@ -72,10 +76,9 @@ end
 if book then
   local worker = workers[chosen]
   local prefill_pages = math.max(request_pages - devices[chosen], 0)
-  add_load(KEYS[1], worker, prefill_pages)
-  add_load(KEYS[2], worker, decode_pages)
-  loads_changed(base)
-  local bk = base .. ':bk:' .. request_id
+  add_load(LOAD.prefill, worker, prefill_pages)
+  add_load(LOAD.decode, worker, decode_pages)
+  loads_changed()
   redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
   local blob = ARGV[15] or ''
   if blob ~= '' then
@@ -95,7 +98,7 @@ if book then
   end
   -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
   redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
-  redis.call('ZADD', KEYS[3], now + ttl, request_id)
+  redis.call('ZADD', LOAD.bookings, now + ttl, request_id)
 end
 
 local out = {chosen}

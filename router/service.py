@@ -19,13 +19,11 @@ With --auth-token every endpoint but /healthz (and /metrics, unless --protect-me
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
@@ -47,17 +45,18 @@ from kvtier.schemas.routing import (
     AdmissionSettings,
     ReleaseRequest,
     RouteRequest,
-    ScoringWeights,
 )
 
 from .admission import SHUTTING_DOWN, AdmissionQueue, Refusal
-from .core import SELECTIONS, Outcome, Router, RoutingError
+from .config import RouterConfig
+from .core import Outcome, Router, RoutingError
 from .http_guard import CLOSE_REASONS, GuardStats, guarded_runner
 from .metrics import replica_registry
 from .processes import ProcessSlot
 from .proxy import PROXY_BOOKING_PREFIX, Proxy, export_circuits
 from .refusals import OPENAI_PATHS, Refused, check_budget, check_tokens, decode_body, error_response, json_encoder
 from .service_settings import ServiceSettings
+from .settings import SharedCacheType
 from .siblings import tell_siblings, with_siblings
 
 __all__ = ("PROXY_BOOKING_PREFIX", "Refused", "RouterConfig", "RouterService", "ServiceSettings", "run_router",
@@ -325,8 +324,8 @@ class RouterService:
             decision_log=DecisionLogHealth(enabled=decision_log is not None,
                                            connected=bool(decision_log is not None and decision_log.connected)),
             models=sorted(router.models_seen),
-            state_source="mirror" if router.mirror is not None else "redis",
-            indexes=router.mirror.health() if router.mirror is not None else [],
+            state_source="index" if router.indexes is not None else "redis",
+            indexes=router.indexes.health() if router.indexes is not None else [],
             tokenizers=tokenizers,
             open_circuits=router.breaker.open_circuits(),
             queue=QueueHealth(depth=self.queue.depth, peak=self.queue.peak, size=self.queue.size,
@@ -393,75 +392,29 @@ async def run_router_service(router: Router, settings: ServiceSettings, host: st
         log.info("router %s stopped (%.1fs)", router.router_id, time.monotonic() - started)
 
 
-@dataclass
-class RouterConfig:
-    redis_url: str
-    nats_url: str = ""
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    router_mode: str = "kv"  # kv | load | round-robin | random
-    shared_cache_type: str = "none"  # none | hicache
-    mooncake_master: str = ""
-    shared_cache_timeout_s: float = 0.05
-    page_size: int | None = None
-    booking_ttl_s: float = 600.0
-    state_timeout_s: float = 0.25
-    #: Redis connections of this replica; a request finding all busy waits for one (up to
-    #: redis_pool_wait_s) instead of being routed as if Redis were down: a busy pool is load,
-    #: not an outage
-    redis_max_connections: int = 256
-    redis_pool_wait_s: float = 2.0
-    breaker_failures: int = 3
-    breaker_backoff_s: float = 5.0
-    session_ttl_s: float = 600.0
-    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
-    router_id: str = ""
-    weights: ScoringWeights | None = None
-    seed: int | None = None  # seeds the tie-breaking draws: the same calls give the same decisions
-    predicted_pages: bool = False
-    state_source: str = "mirror"  # mirror | redis
-    service: ServiceSettings = None  # type: ignore[assignment]
-
-
 async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> None:
     from kvtier.plumbing.connections import redis_async_client
 
-    from .core import RouterSettings
     from .decision_log import DecisionLog
     from .metrics import RouterMetrics
     from .shared_pool import SharedPoolClient
 
-    weights = config.weights or ScoringWeights()
-    if config.router_mode == "load":
-        # Cache-blind modes are the same machinery with every cache weight at zero: the
-        # choice is then by booked load alone, ties broken at random.
-        weights = msgspec.structs.replace(weights, overlap_score_credit=0.0, host_cache_hit_weight=0.0,
-                                          disk_cache_hit_weight=0.0, shared_cache_multiplier=0.0)
     metrics = RouterMetrics()
     client = redis_async_client(config.redis_url, max_connections=config.redis_max_connections,
                                 pool_wait_s=config.redis_pool_wait_s, socket_connect_timeout=config.state_timeout_s,
                                 socket_timeout=config.state_timeout_s)
     shared_pool = None
-    if config.shared_cache_type == "hicache":
+    if config.shared_cache_type is SharedCacheType.HICACHE:
         shared_pool = SharedPoolClient(config.mooncake_master, timeout_s=config.shared_cache_timeout_s)
     decision_log = None
     if config.nats_url:
         decision_log = DecisionLog(config.nats_url, on_published=metrics.decision_log_published.inc,
                                    on_dropped=metrics.decision_log_dropped.inc)
         decision_log.start()
-    router = Router(client, RouterSettings(weights=weights, shared_cache=shared_pool is not None,
-                                           router_page_size=config.page_size, booking_ttl_s=config.booking_ttl_s,
-                                           router_id=config.router_id, predicted_pages=config.predicted_pages,
-                                           state_source=config.state_source,
-                                           breaker_failures=config.breaker_failures,
-                                           breaker_backoff_s=config.breaker_backoff_s,
-                                           session_ttl_s=config.session_ttl_s,
-                                           admission=config.admission,
-                                           selection=config.router_mode if config.router_mode in SELECTIONS
-                                           else "score"),
-                    metrics, shared_pool=shared_pool, decision_log=decision_log,
+    router = Router(client, config.router_settings(shared_cache=shared_pool is not None), metrics,
+                    shared_pool=shared_pool, decision_log=decision_log,
                     rng=random.Random(config.seed) if config.seed is not None else None)
-    service = dataclasses.replace(config.service or ServiceSettings(), routing_mode=config.router_mode)
+    service = config.service_settings()
     try:
         await run_router_service(router, service, config.host, config.http_port, stop, ready)
     finally:

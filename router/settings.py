@@ -1,10 +1,44 @@
-"""The router's settings (RouterSettings): how it scores, books, reads state and admits."""
+"""The router's settings (RouterSettings): how it scores, books, reads state and admits; the
+modes `kvtier router` is given by name; the booking TTL."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.plumbing.settings import Choice
 from kvtier.schemas.routing import AdmissionSettings, ScoringWeights
+
+#: How long a booking holds its worker's load when no release comes (its router died
+#: mid-request): the default of --booking-ttl, of LoadBook and of the fallback's in-flight map.
+BOOKING_TTL_S = 600.0
+
+
+class RouterMode(Choice):
+    """--router-mode: how the worker is picked."""
+
+    KV = "kv"  # tier-aware scoring
+    LOAD = "load"  # booked load only (every cache weight 0)
+    ROUND_ROBIN = "round-robin"  # baselines for A/B tests; they still score and book
+    RANDOM = "random"
+
+
+class SharedCacheType(Choice):
+    """--shared-cache-type: whether pages in the shared Mooncake pool are credited."""
+
+    NONE = "none"
+    HICACHE = "hicache"
+
+
+class StateSource(Choice):
+    """--state-source: where decisions read tier overlaps."""
+
+    INDEX = "index"  # an in-memory index per model, following its change feed (router/index_feed.py)
+    REDIS = "redis"  # the Lua walk in Redis for every decision
+
+    @classmethod
+    def _missing_(cls, value):
+        # "mirror", the index's former name, still read so deployments written with it keep working
+        return cls.INDEX if value == "mirror" else None
 
 
 @dataclass
@@ -12,7 +46,7 @@ class RouterSettings:
     weights: ScoringWeights = field(default_factory=ScoringWeights)
     shared_cache: bool = False  # --shared-cache-type hicache
     router_page_size: int | None = None  # --page-size: workers that differ get no shared credit
-    booking_ttl_s: float = 600.0
+    booking_ttl_s: float = BOOKING_TTL_S
     router_id: str = ""
     state_retry_s: float = 0.5  # after a Redis failure, how long to route without it before retrying
     #: How the worker is picked among the scored candidates: "score" (the formula), or a
@@ -22,10 +56,9 @@ class RouterSettings:
     #: Book each request's pages as predicted device pages on its worker until it completes
     #: (--predicted-pages), credited at `predicted_page_weight`.
     predicted_pages: bool = False
-    #: Where decisions read tier overlaps (--state-source): "mirror", an in-memory index per
-    #: model following the change feed (router/mirror.py), or "redis", the Lua walk in Redis
-    #: for every decision. Predicted pages live in Redis only: with them on, the walk is used.
-    state_source: str = "mirror"
+    #: Where decisions read tier overlaps (--state-source). Predicted pages live in Redis
+    #: only: with them on, the walk in Redis is used whatever this says.
+    state_source: StateSource = StateSource.INDEX
     #: A worker failed this many times in a row before its first byte is left out for
     #: `breaker_backoff_s` (doubling while it keeps failing): router/breaker.py
     breaker_failures: int = 3
@@ -40,6 +73,9 @@ class RouterSettings:
     #: timeout, so a quiet feed is not a failed read.
     index_block_ms: int = 100
 
+    def __post_init__(self) -> None:
+        self.state_source = StateSource(self.state_source)  # also when given by name ("mirror")
+
     @property
     def reads_index(self) -> bool:
-        return self.state_source == "mirror" and not self.predicted_pages
+        return self.state_source is StateSource.INDEX and not self.predicted_pages

@@ -65,7 +65,7 @@ class Views(list):
 class TierStateReader(Protocol):
     """Where a decision reads tier state: every live worker's status, page size, booked load
     and tiered overlap with the request. Two implementations: `OverlapReader` (the walk in
-    Redis, over the authoritative pages sets) and router/mirror.py's `MirroredOverlapReader`
+    Redis, over the authoritative pages sets) and router/index_feed.py's `IndexedOverlapReader`
     (the same read without the walk, the overlaps from an in-memory index that follows the
     change feed). Both are written by the same writer (consumers/apply.py), and one test
     suite runs against both (tests/test_tier_state.py)."""

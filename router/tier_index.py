@@ -1,7 +1,12 @@
 """One model's tier state in memory: which workers hold each page on which tier, and the
 walk of docs/DESIGN.md over it for every worker at once. Pure: no I/O, no clock. Fed by
-router/mirror.py from the change feed (schemas/changes.py); the Redis pages sets stay the
+router/index_feed.py from the change feed (schemas/changes.py); the Redis pages sets stay the
 authoritative state, this is a derived read view of them.
+
+The walk here is a specialised copy of router/walk.py's (the spec), kept because it is on
+every decision's path: walking all workers at once on bit masks takes about 2.5x less time
+than the spec walked once per worker (32 workers, 64-page requests). tests/test_walk.py
+checks it against the spec on random page sets and requests.
 
 Layout: page hash -> one int, three bits per worker slot (device, host, disk: bit
 3·slot + 0/1/2). One dict entry per page whatever the number of tiers and holders, so a
@@ -151,9 +156,9 @@ class TierIndex:
 
     def overlaps(self, pages: Sequence[BlockHash], workers: Iterable[str]) -> dict[str, TierOverlap]:
         """Each worker's tiered overlap with a request's pages (hashed at that worker's page
-        size), by the walk of docs/DESIGN.md: the device prefix, then on host while the page
-        is on host, then on disk, each page counted once at the first tier where the walk
-        finds it. Workers the index has no page of get a zero overlap."""
+        size): router/walk.py's `walk` for every worker at once (the device prefix, then on
+        host while the page is on host, then on disk, each page counted once at the stage that
+        reaches it). Workers the index has no page of get a zero overlap."""
         slot_of = self._slot_of
         result = dict.fromkeys(workers, NO_OVERLAP)
         if not pages:

@@ -1,7 +1,7 @@
 """The change feed: every write to a model's pages sets, as one entry of the model's Redis
 stream `kvt:{m}:changes` (state_keys.py), appended by the same script that made the write
 (consumers/changes.lua), so the feed and the state never disagree. Routers' in-memory tier
-indexes follow it (router/mirror.py).
+indexes follow it (router/index_feed.py).
 
 An entry has three fields:
   n  the model's change counter after this entry: consecutive, so a reader that sees a

@@ -58,7 +58,7 @@ class DecisionLogHealth(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IndexHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """One model's in-memory tier index in this replica (router/mirror.py)."""
+    """One model's in-memory tier index in this replica (router/index_feed.py)."""
 
     model: str
     #: Following the change feed: decisions read it. False while it bootstraps.
@@ -167,9 +167,11 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     decision_log: DecisionLogHealth = DecisionLogHealth()
     #: Models this replica has been asked to route (and knew).
     models: list[str] = []
-    #: Where decisions read tier overlaps: "mirror" (an in-memory index per model, following
-    #: the change feed) or "redis" (the Lua walk); "" from a router too old to say.
+    #: Where decisions read tier overlaps: the in-memory index of each model, following its
+    #: change feed ("index"; routers before it said "mirror", which reads the same, see
+    #: `reads_index`), or "redis" (the Lua walk); "" from a router too old to say.
     state_source: str = ""
+    #: Each model's index, when the replica reads indexes.
     indexes: list[IndexHealth] = []
     #: Proxied text requests' tokenization checked against the engines (--proxy --tokenizer).
     tokenizers: list[TokenizerHealth] = []
@@ -180,6 +182,15 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: status is the worst of theirs. [] for a replica of one process.
     processes: list[ProcessHealth] = []
 
+    @property
+    def reads_index(self) -> bool:
+        """Whether the replica's decisions read in-memory indexes."""
+        return self.state_source in INDEX_STATE_SOURCES
+
+
+#: `state_source` of a replica that reads in-memory indexes: "index", and "mirror", what
+#: routers said before the --state-source value was renamed.
+INDEX_STATE_SOURCES = frozenset({"mirror", "index"})
 
 _decoder = msgspec.json.Decoder(RouterHealth)
 

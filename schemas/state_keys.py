@@ -42,7 +42,7 @@ Load booked by routers (written only by router/*.lua, atomically with each selec
   kvt:{m}:load:prefill      hash  worker -> queued prefill pages
   kvt:{m}:load:decode       hash  worker -> active decode pages
   kvt:{m}:load:version      str   bumped with every write to the two load hashes: a replica
-                                  that mirrors the loads at version v books only while it is
+                                  that copied the loads at version v books only while it is
                                   still v (router/book_checked.lua)
   kvt:{m}:bookings          zset  request id -> booking expiry (unix ms)
   kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back)
@@ -83,7 +83,8 @@ def as_text(value: bytes | str) -> str:
 #: The key root of live tier state. `kvtier replay` rebuilds state under another root (a
 #: scratch namespace, e.g. "kvtreplay-1a2b3c4d"): every key above then starts with that root
 #: instead of "kvt", same layout, same hash tag. The scripts never build a key from "kvt"
-#: themselves: they receive keys (or the key base) from ModelKeys.
+#: themselves: they receive keys from ModelKeys, and the key base only to build keys they
+#: alone learn (a worker named by another key, an expired booking; each script says which).
 DEFAULT_ROOT = "kvt"
 MODELS_KEY = "kvt:models"
 
@@ -175,6 +176,14 @@ class ModelKeys:
     @property
     def bookings(self) -> str:
         return f"{self.base}:bookings"
+
+    def booking(self, request_id: str) -> str:
+        """What one request's booking holds (worker, prefill, decode, predicted pages)."""
+        return f"{self.base}:bk:{request_id}"
+
+    @property
+    def round_robin(self) -> str:
+        return f"{self.base}:rr"
 
     def session(self, session_id: str) -> str:
         """The worker a conversation last ran on (a string with a TTL: --session-ttl)."""

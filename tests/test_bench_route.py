@@ -1,6 +1,6 @@
 """`kvtier bench route` on a small state with every part on (both state sources, the lookup,
 the index at scale, the bootstrap, the lag under a writer process, two replica processes):
-it must finish and print the keys BENCHMARKS.md reads; the mirror's decisions must all come
+it must finish and print the keys BENCHMARKS.md reads; the index's decisions must all come
 from its index once ready."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 KEYS = [
-    # in-process, the index (mirror) and the walk in Redis side by side
+    # in-process, the index and the walk in Redis side by side
     "p50_ms", "p99_ms", "decisions_per_s", "redis_cpu_us_per_decision", "redis_process_cpu_us_per_decision",
     "redis_cpu_us_per_decision_concurrent",
     "redis_ms_per_decision", "hashing_p50_ms", "index_not_ready_decisions",
@@ -52,4 +52,4 @@ def test_bench_route_small():
     assert not report["index_lag_behind_at_end"]
     # The walk in Redis costs Redis more than reading who is live and loaded.
     assert report["redis_redis_cpu_us_per_decision"] > report["redis_cpu_us_per_decision"]
-    assert "mirror  |  redis" in "\n".join(lines[:-1])
+    assert "index  |  redis" in "\n".join(lines[:-1])

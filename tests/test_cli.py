@@ -62,6 +62,23 @@ def test_environment_values_are_checked_like_flags(monkeypatch, capsys):
         build_parser().parse_args(["processor", "--nats", "nats://x", "--redis", "redis://y", "--partition", "1"])
 
 
+def test_a_repeatable_flag_reads_comma_separated_values_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("KVTIER_TOKENIZER", "org/a=/models/a, org/b=/models/b")
+    args = build_parser().parse_args(["router", "--redis", "redis://x", "--proxy"])
+    assert args.tokenizer == [("org/a", "/models/a"), ("org/b", "/models/b")]
+    monkeypatch.setenv("KVTIER_TOKENIZER", "org/a")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--redis", "redis://x", "--proxy"])
+    assert "KVTIER_TOKENIZER='org/a' (for --tokenizer): expected MODEL=PATH" in capsys.readouterr().err
+
+
+def test_a_tokenizer_folder_without_its_files_is_one_clear_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "router", "--redis", "redis://127.0.0.1:1", "--proxy",
+                          "--tokenizer", f"m={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"{tmp_path}: no tokenizer.json" in out.stderr
+
+
 def test_missing_required_flag_is_named():
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bridge", "--endpoint", "tcp://x:1"],
                          capture_output=True, text=True)

@@ -105,7 +105,7 @@ def test_router_page_size_from_healthz_is_compared_and_its_absence_said():
 def test_a_router_index_not_at_the_feed_head_is_a_warning():
     from kvtier.schemas.router_health import IndexHealth, RouterHealth
 
-    def router(*indexes, source="mirror"):
+    def router(*indexes, source="index"):
         return views.RouterView(url="r", reachable=True, http_status=200,
                                 healthz=RouterHealth(state_source=source, indexes=list(indexes)))
 
@@ -113,6 +113,10 @@ def test_a_router_index_not_at_the_feed_head_is_a_warning():
                                "n": views.FeedHead(change=3, marker_id="B")})
     at_head = IndexHealth(model="m", ready=True, change=10, marker_id="A", entries=5)
     assert _one(judge.check_router_indexes(redis_view, [router(at_head)]), "router_index", views.Status.OK)
+    # a router from before the rename, which named its source "mirror", is judged alike
+    behind = IndexHealth(model="m", ready=True, change=7, marker_id="A")
+    assert _one(judge.check_router_indexes(redis_view, [router(behind, source="mirror")]), "router_index",
+                views.Status.WARN)
     for index, words in ((IndexHealth(model="m", ready=True, change=7, marker_id="A"), "at change 7, the feed at 10"),
                          (IndexHealth(model="m", ready=True, change=10, marker_id="old"), "built under marker 'old'"),
                          (IndexHealth(model="m", ready=False, last_bootstrap_reason="gap"), "being built (gap)")):

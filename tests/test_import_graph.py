@@ -230,3 +230,15 @@ def test_the_test_code_in_the_wheel_stays_in_kvtier_testing():
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("kvtier.testing.")
                     for t in targets if any(t == p or t.startswith(p + ".") for p in above))
     assert not upward, "kvtier/testing/ imports upward:\n  " + "\n  ".join(upward)
+
+
+def test_mypy_checks_every_package():
+    """scripts/mypy checks what [tool.mypy] names: every package setuptools installs is in it
+    (or under one that is), and every top-level module of kvtier (kvtier.cli)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    checked = config["tool"]["mypy"]["packages"]
+    installed = config["tool"]["setuptools"]["packages"]
+    unchecked = [p for p in installed if p != "kvtier" and not any(p == c or p.startswith(c + ".") for c in checked)]
+    assert not unchecked, f"packages mypy does not check: {unchecked}"
+    top = sorted(f"kvtier.{path.stem}" for path in (ROOT / "kvtier").glob("*.py") if path.stem != "__init__")
+    assert top and set(top) <= set(config["tool"]["mypy"].get("modules", [])), top

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, processors
 
-from kvtier.bench.deepseek import BOS, write_deepseek_tokenizer
-from kvtier.bench.proxy import Prose, write_tokenizer
 from kvtier.plumbing.parallel_encode import VETTED_SPLITS, ParallelEncoder, cut_points, why_serial
 from kvtier.plumbing.piece_cache import PieceCache
 from kvtier.plumbing.tokenizer import ModelTokenizer
+from kvtier.testing.model_tokenizers import BOS, write_deepseek_tokenizer, write_tokenizer
+from kvtier.testing.prose import Prose
 
 LLAMA3_REGEX = next(r for r in VETTED_SPLITS if r.startswith("(?i:'s") and "\\r" in r)
 

@@ -39,7 +39,7 @@ def full_read_reasons(router: Router) -> dict[str, float]:
 
 
 async def ready(router: Router, model: str = MODEL) -> None:
-    index = router.mirror.model(ModelKeys.for_model(model).model_token)
+    index = router.indexes.model(ModelKeys.for_model(model).model_token)
     deadline = time.monotonic() + 20
     while not index.ready:
         assert time.monotonic() < deadline, "the index was not ready"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 import redis.asyncio
@@ -206,6 +207,23 @@ def test_bookings_of_a_dead_router_expire(redis_server):
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+#: What a router script may build from the key base (its header says why): keys that only the
+#: script learns, the hashes of bookings the bookings zset names and the pages sets and
+#: predicted pages of workers another key names.
+BUILT_FROM_THE_BASE = {":bk:", ":w:"}
+
+
+def test_router_scripts_are_given_every_key_their_caller_knows():
+    from importlib import resources
+
+    built: dict[str, set[str]] = {}
+    for item in resources.files("kvtier.router").iterdir():
+        if item.name.endswith(".lua"):
+            for suffix in re.findall(r"base \.\. '([^']*)'", item.read_text()):
+                built.setdefault(suffix, set()).add(item.name)
+    assert built and set(built) <= BUILT_FROM_THE_BASE, built
 
 
 def test_draws_are_reproducible():

@@ -1,6 +1,6 @@
 """One tier-state interface (router/state.py `TierStateReader`), two implementations: the walk
 in Redis over the authoritative pages sets (`OverlapReader`, read_overlap.lua) and the
-in-memory index that follows the change feed (router/mirror.py). Both are written by the
+in-memory index that follows the change feed (router/index_feed.py). Both are written by the
 processor's own writer (consumers/apply.py) on a real Redis-protocol server; the same
 behavioural tests run against both, and a property test checks that on random histories the
 index holds exactly the pages sets, page for page, and reads the walk's overlaps."""
@@ -19,14 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.consumers.apply import ApplyMode, TierStateWriter, read_worker_pages
-from kvtier.router import mirror as mirror_module
+from kvtier.router import index_feed
 from kvtier.router.hashing import RequestPages
-from kvtier.router.mirror import MirroredOverlapReader, ModelMirror, TierMirror
+from kvtier.router.index_feed import IndexedOverlapReader, ModelIndex, TierIndexes
 from kvtier.router.state import OverlapReader, WorkerStatus
+from kvtier.router.walk import walk
 from kvtier.schemas.events import AllCleared, BridgeCursor, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
-from kvtier.schemas.hashes import BlockHash, page_keys_blob
+from kvtier.schemas.hashes import BlockHash, page_key, page_keys_blob
 from kvtier.schemas.routing import TierOverlap
-from kvtier.schemas.state_keys import ModelKeys
+from kvtier.schemas.state_keys import ModelKeys, page_member
 from kvtier.schemas.tiers import Tier
 from kvtier.schemas.worker import WorkerMetadata
 
@@ -77,13 +78,14 @@ class Reader:
         self.kind, self.url = kind, url
         self.loop = asyncio.new_event_loop()
         self.client = redis.asyncio.Redis.from_url(url)
-        self.mirror = TierMirror(self.client, block_ms=50) if kind == "mirror" else None
-        self.reader = (MirroredOverlapReader(self.client, self.mirror) if self.mirror is not None
+        # kind: the --state-source that reads it ("index": the in-memory index)
+        self.indexes = TierIndexes(self.client, block_ms=50) if kind == "index" else None
+        self.reader = (IndexedOverlapReader(self.client, self.indexes) if self.indexes is not None
                        else OverlapReader(self.client))
 
     def settle(self, sync_client: redis.Redis, timeout: float = 20.0) -> None:
         """The index has applied every entry the feed holds now."""
-        if self.mirror is None:
+        if self.indexes is None:
             return
         deadline = time.monotonic() + timeout
         while True:
@@ -96,13 +98,13 @@ class Reader:
                                                  f"{head} under {marker!r}, ready {index.ready}")
             self.run(asyncio.sleep(0.02))
 
-    def start(self, index: ModelMirror) -> None:
+    def start(self, index: ModelIndex) -> None:
         async def start():
             index.start()
         self.run(start())
 
     async def _touch(self):
-        return self.mirror.model(TOKEN)  # type: ignore[union-attr]
+        return self.indexes.model(TOKEN)  # type: ignore[union-attr]
 
     def read(self, pages: dict[int, RequestPages]):
         views = self.run(self.reader.read(MODEL, pages))
@@ -117,13 +119,13 @@ class Reader:
         return self.loop.run_until_complete(coro)
 
     def close(self) -> None:
-        if self.mirror is not None:
-            self.run(self.mirror.close())
+        if self.indexes is not None:
+            self.run(self.indexes.close())
         self.run(self.client.aclose())
         self.loop.close()
 
 
-@pytest.fixture(params=["redis", "mirror"])
+@pytest.fixture(params=["redis", "index"])
 def reader(request, redis_server):
     made = Reader(request.param, redis_server.url)
     yield made
@@ -185,14 +187,14 @@ def test_stale_expired_and_forgotten_workers(reader, redis_client):
     expired = {w for _, w, _ in history.writer.expire_dead_workers()}
     assert expired == {"dead", "gone"}
     reader.settle(redis_client)
-    if reader.mirror is not None:  # the expired workers' pages left the index with the sets
-        index_equals_pages_sets(reader.mirror.models[TOKEN].index, redis_client, ("live", "stale", "dead", "gone"))
-        assert reader.mirror.models[TOKEN].index.workers().keys() == {"live", "unannounced"}
+    if reader.indexes is not None:  # the expired workers' pages left the index with the sets
+        index_equals_pages_sets(reader.indexes.models[TOKEN].index, redis_client, ("live", "stale", "dead", "gone"))
+        assert reader.indexes.models[TOKEN].index.workers().keys() == {"live", "unannounced"}
     forgotten = history.writer.forget_dead_workers(retention_s=0.0, now=time.time() + 10)
     assert {w for _, w in forgotten} == {"dead", "gone", "unannounced"}
     reader.settle(redis_client)
-    if reader.mirror is not None:
-        assert reader.mirror.models[TOKEN].index.workers().keys() == {"live"}
+    if reader.indexes is not None:
+        assert reader.indexes.models[TOKEN].index.workers().keys() == {"live"}
     got = reader.overlaps({4: request(h)})
     assert got == {"live": (WorkerStatus.CANDIDATE, overlap(4)), "stale": (WorkerStatus.STALE, overlap())}
     # the dead worker comes back with a new lease: nothing of its old pages is left
@@ -230,8 +232,8 @@ def test_a_rebuild_that_drops_a_worker_drops_it_from_the_index(reader, redis_cli
     reader.settle(redis_client)
     got = reader.overlaps({4: request([1, 2])})
     assert got == {"kept": (WorkerStatus.CANDIDATE, overlap(2)), "truncated": (WorkerStatus.STALE, overlap())}
-    if reader.mirror is not None:
-        assert reader.mirror.models[TOKEN].index.workers().keys() == {"kept"}
+    if reader.indexes is not None:
+        assert reader.indexes.models[TOKEN].index.workers().keys() == {"kept"}
 
 
 def test_a_store_being_rebuilt_trusts_no_overlap(reader, redis_client):
@@ -246,10 +248,12 @@ def test_a_store_being_rebuilt_trusts_no_overlap(reader, redis_client):
 
 # --- the property: the index is the pages sets ------------------------------------------------
 PAGES = list(range(1, 13))
+# Runs of pages in request order as often as scattered ones, so that walks go past page one.
+page_run = st.tuples(st.integers(0, len(PAGES) - 1), st.integers(1, 8)).map(lambda r: PAGES[r[0]:r[0] + r[1]])
 op = st.one_of(
     st.tuples(st.sampled_from(["store", "remove"]), st.sampled_from(["w0", "w1", "w2"]),
               st.sampled_from([Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.EXTERNAL]),
-              st.lists(st.sampled_from(PAGES), max_size=8)),
+              st.one_of(page_run, st.lists(st.sampled_from(PAGES), max_size=8))),
     st.tuples(st.sampled_from(["flush", "new_epoch", "rebase", "expire"]), st.sampled_from(["w0", "w1", "w2"]),
               st.none(), st.none()),
 )
@@ -263,17 +267,36 @@ def index_equals_pages_sets(index, client: redis.Redis, workers) -> None:
         assert index.pages_of(w) == want, w
 
 
+def walked_by_spec(client: redis.Redis, hashes: list[int], predicted: dict[str, set[int]] | None = None
+                   ) -> dict[str, tuple[WorkerStatus, TierOverlap]]:
+    """Every live worker's status and its overlap by router/walk.py (the spec), read off the
+    authoritative pages sets (all workers here announce page size 4, as `request` hashes)."""
+    keys = ModelKeys(TOKEN)
+    out = {}
+    for raw in client.zrangebyscore(keys.leases, f"({int(time.time() * 1000)}", "+inf"):
+        w = raw.decode()
+        if client.sismember(keys.stale_workers, w):
+            out[w] = (WorkerStatus.STALE, overlap())  # a stale worker is not walked
+            continue
+        held = {page: sum(t.bit for t in tiers) for page, tiers in read_worker_pages(client, MODEL, w).items()}
+        out[w] = (WorkerStatus.CANDIDATE, walk(hashes, held, (predicted or {}).get(w, set())))
+    return out
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history_ops=st.lists(op, max_size=40),
-       requests=st.lists(st.lists(st.sampled_from(PAGES), min_size=1, max_size=10, unique=True), min_size=1,
-                         max_size=6))
+       requests=st.lists(st.one_of(st.integers(1, len(PAGES)).map(lambda n: PAGES[:n]),
+                                   st.lists(st.sampled_from(PAGES), min_size=1, max_size=10, unique=True)),
+                         min_size=1, max_size=6),
+       predicted=st.dictionaries(st.sampled_from(["w0", "w1", "w2"]), st.sets(st.sampled_from(PAGES), min_size=1)))
 @pytest.mark.slow
-def test_the_index_is_the_pages_sets_page_for_page(redis_server, redis_client, history_ops, requests):
+def test_the_index_is_the_pages_sets_page_for_page(redis_server, redis_client, history_ops, requests, predicted):
     """Random histories through the processor's writer: an index that followed the feed
-    throughout and one bootstrapped at the end both hold the pages sets exactly, and both
-    read the Lua walk's overlaps for every worker."""
+    throughout and one bootstrapped at the end both hold the pages sets exactly; both, and
+    the Lua walk (read_overlap.lua, here with random predicted pages for some workers), read
+    router/walk.py's overlaps for every worker."""
     redis_client.flushall()
-    following, walk = Reader("mirror", redis_server.url), Reader("redis", redis_server.url)
+    following, lua = Reader("index", redis_server.url), Reader("redis", redis_server.url)
     late = None
     try:
         history = History(redis_client)
@@ -297,18 +320,59 @@ def test_the_index_is_the_pages_sets_page_for_page(redis_server, redis_client, h
                 history.announce(w)
                 history.batch(w, new_epoch=True)  # back at once, with nothing
         following.settle(redis_client)
-        late = Reader("mirror", redis_server.url)
+        late = Reader("index", redis_server.url)
         late.settle(redis_client)
         for r in (following, late):
-            index_equals_pages_sets(r.mirror.model(TOKEN).index, redis_client, ("w0", "w1", "w2"))
+            index_equals_pages_sets(r.indexes.model(TOKEN).index, redis_client, ("w0", "w1", "w2"))
+        # Bookings' predictions (router/bookings.lua writes them so); the index never reads them.
+        for w, held in predicted.items():
+            redis_client.hset(ModelKeys(TOKEN).predicted(w), mapping={page_key(BlockHash(p)): 1 for p in held})
         for hashes in requests:
-            want = walk.overlaps({4: request(hashes)})
+            assert lua.overlaps({4: request(hashes)}) == walked_by_spec(redis_client, hashes, predicted)
+            want = walked_by_spec(redis_client, hashes)
             assert following.overlaps({4: request(hashes)}) == want
             assert late.overlaps({4: request(hashes)}) == want
     finally:
-        for r in (following, walk, late):
+        for r in (following, lua, late):
             if r is not None:
                 r.close()
+
+
+held_pages = st.one_of(
+    # dense: most pages held somewhere, so that walks run through every stage
+    st.lists(st.integers(0, 15), min_size=len(PAGES), max_size=len(PAGES)).map(
+        lambda bits: {p: b for p, b in zip(PAGES, bits) if b}),
+    st.dictionaries(st.sampled_from(PAGES), st.integers(1, 15)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(held=st.fixed_dictionaries({w: held_pages for w in ("w0", "w1", "w2")}),
+       predicted=st.dictionaries(st.sampled_from(["w0", "w1", "w2"]), st.sets(st.sampled_from(PAGES), min_size=1)),
+       requests=st.lists(st.one_of(st.integers(1, len(PAGES)).map(lambda n: PAGES[:n]),
+                                   st.permutations(PAGES).map(lambda p: p[:8])), min_size=1, max_size=4))
+def test_the_lua_walk_is_the_spec(redis_server, redis_client, held, predicted, requests):
+    """read_overlap.lua against router/walk.py on random pages sets (page -> tier bits, the
+    external tier included) and predictions, written as the processor and the bookings
+    write them; many more cases than the history above can afford."""
+    redis_client.flushall()
+    keys = ModelKeys(TOKEN)
+    history = History(redis_client)
+    for w, pages in held.items():
+        history.announce(w)
+        history.batch(w)  # the model's marker, made ready
+        members = [page_member(t, page_key(BlockHash(p))) for p, bits in pages.items() for t in Tier if bits & t.bit]
+        if members:
+            redis_client.sadd(keys.pages(w), *members)
+    for w, pages in predicted.items():
+        redis_client.hset(keys.predicted(w), mapping={page_key(BlockHash(p)): 1 for p in pages})
+    lua = Reader("redis", redis_server.url)
+    try:
+        for hashes in requests:
+            want = {w: (WorkerStatus.CANDIDATE, walk(hashes, held[w], predicted.get(w, set()))) for w in held}
+            assert lua.overlaps({4: request(hashes)}) == want, hashes
+    finally:
+        lua.close()
 
 
 # --- bootstrap, trimming, loss --------------------------------------------------------------
@@ -355,23 +419,23 @@ class BackgroundWriter(threading.Thread):
 def test_bootstrap_while_the_processor_writes_loses_and_invents_nothing(redis_server, redis_client, monkeypatch):
     """A scan that spans many calls (60 members each) while batches keep landing: after the
     writes stop and the feed is applied, the index holds exactly the pages sets."""
-    monkeypatch.setattr(mirror_module, "SCAN_COUNT", 60)
+    monkeypatch.setattr(index_feed, "SCAN_COUNT", 60)
     writer = BackgroundWriter(redis_server.url)
     writer.start()
     loop = asyncio.new_event_loop()
     client = redis.asyncio.Redis.from_url(redis_server.url)
-    mirrors: list[ModelMirror] = []
+    indexes: list[ModelIndex] = []
     try:
         for _ in range(3):  # three bootstraps, each begun at another point of the stream
-            while writer.batches < 150 * (len(mirrors) + 1):
+            while writer.batches < 150 * (len(indexes) + 1):
                 time.sleep(0.01)
-            mirrors.append(ModelMirror(client, TOKEN))
-            loop.run_until_complete(mirrors[-1].bootstrap("start"))
-            assert mirrors[-1].ready
+            indexes.append(ModelIndex(client, TOKEN))
+            loop.run_until_complete(indexes[-1].bootstrap("start"))
+            assert indexes[-1].ready
         writer.stop()
         head = int(redis_client.get(ModelKeys(TOKEN).changes_counter))
         workers = [f"bw{i}" for i in range(8)]
-        for m in mirrors:
+        for m in indexes:
             loop.run_until_complete(m._catch_up())
             assert m.change == head
             index_equals_pages_sets(m.index, redis_client, workers)
@@ -386,10 +450,10 @@ def test_an_index_behind_a_trimmed_feed_builds_itself_again(redis_server, redis_
     history = History(redis_client, changes_maxlen=5)
     history.announce("w")
     history.store("w", Tier.DEVICE, [1, 2, 3])
-    r = Reader("mirror", redis_server.url)
+    r = Reader("index", redis_server.url)
     try:
         r.settle(redis_client)
-        index = r.mirror.model(TOKEN)
+        index = r.indexes.model(TOKEN)
         assert index.bootstraps == 1
         r.run(index.stop())  # the replica stalls
         for i in range(600):  # trimmed by whole stream nodes (100 entries each): 600 leaves no doubt
@@ -413,10 +477,10 @@ def test_a_store_that_lost_the_model_is_followed_by_a_new_index(redis_server, re
     history = History(redis_client)
     history.announce("w")
     history.store("w", Tier.DEVICE, [1, 2, 3])
-    r = Reader("mirror", redis_server.url)
+    r = Reader("index", redis_server.url)
     try:
         r.settle(redis_client)
-        index = r.mirror.model(TOKEN)
+        index = r.indexes.model(TOKEN)
         old_marker = index.marker_id
         redis_client.flushall()
         history.writer.forget_models()
@@ -438,17 +502,17 @@ def test_a_decision_waits_for_the_writes_its_read_saw_or_walks_in_redis(redis_se
     history = History(redis_client)
     history.announce("w")
     history.store("w", Tier.DEVICE, [1])
-    r = Reader("mirror", redis_server.url)
+    r = Reader("index", redis_server.url)
     try:
         r.settle(redis_client)
         history.store("w", Tier.DEVICE, [2, 3])  # read at once: the index has not applied it yet
         views = r.read({4: request([1, 2, 3])})
         assert not views.degraded and [(v.worker_id, v.overlap) for v in views] == [("w", overlap(3))]
-        index = r.mirror.model(TOKEN)
+        index = r.indexes.model(TOKEN)
         r.run(index.stop())  # a follower that is stuck
         history.remove("w", Tier.DEVICE, [3])
         views = r.read({4: request([1, 2, 3])})
-        assert views.degraded == mirror_module.DEGRADED_INDEX_BEHIND
+        assert views.degraded == index_feed.DEGRADED_INDEX_BEHIND
         assert [(v.worker_id, v.overlap) for v in views] == [("w", overlap(2))]  # the walk's answer
     finally:
         r.close()
@@ -458,14 +522,14 @@ def test_a_decision_that_sees_another_marker_walks_in_redis_and_says_so(redis_se
     history = History(redis_client)
     history.announce("w")
     history.store("w", Tier.DEVICE, [1, 2])
-    r = Reader("mirror", redis_server.url)
+    r = Reader("index", redis_server.url)
     try:
         r.settle(redis_client)
-        index = r.mirror.model(TOKEN)
+        index = r.indexes.model(TOKEN)
         r.run(index.stop())  # so it cannot notice by itself first
         redis_client.hset(ModelKeys(TOKEN).incarnation, "id", "replaced")
         views = r.read({4: request([1, 2])})
-        assert views.degraded == mirror_module.DEGRADED_INDEX_NOT_READY
+        assert views.degraded == index_feed.DEGRADED_INDEX_NOT_READY
         assert [(v.worker_id, v.overlap) for v in views] == [("w", overlap(2))]  # the walk's answer
         assert not index.ready
         r.start(index)

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.bench.deepseek import write_deepseek_tokenizer
 from kvtier.plumbing.piece_cache import PieceCache
 from kvtier.plumbing.tokenizer import ModelTokenizer
+from kvtier.testing.model_tokenizers import write_deepseek_tokenizer
 
 #: Strings a message may hold that the tokenizer cuts at or nearly at: added tokens, pieces of
 #: them, and ones that contain others ("<dsml:" and "</dsml:", "｜DSML｜").

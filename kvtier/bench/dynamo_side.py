@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
-from kvtier.schemas.events import PagesRemoved, PagesStored, decode_message
+from kvtier.schemas.events import EventBatch, PagesRemoved, PagesStored, decode_message
 from kvtier.schemas.tiers import Tier
 
 U64 = 1 << 64
@@ -21,7 +22,7 @@ class DynamoMissing(RuntimeError):
     pass
 
 
-def dynamo_apply_rate(payloads: list[tuple[str, int, bytes, int]]) -> dict[str, float]:
+def dynamo_apply_rate(payloads: list[tuple[str, int, bytes, int]]) -> dict[str, float | None]:
     try:
         from dynamo.llm import RadixTree
     except ImportError:
@@ -32,17 +33,19 @@ def dynamo_apply_rate(payloads: list[tuple[str, int, bytes, int]]) -> dict[str, 
     transitions = 0
     for n, (worker, _seq, data, _) in enumerate(payloads):
         wid = worker_ids.setdefault(worker, len(worker_ids))
-        for event in decode_message(data).events:
-            if getattr(event, "tier", None) != Tier.DEVICE:
-                continue  # Dynamo's tree has one tier
+        message = decode_message(data)
+        if not isinstance(message, EventBatch):
+            continue
+        for event in message.events:
+            if not isinstance(event, (PagesStored, PagesRemoved)) or event.tier != Tier.DEVICE:
+                continue  # Dynamo's tree has one tier, and no "everything cleared"
             hashes = [h % U64 for h in event.hashes]
+            body: dict[str, dict[str, Any]]
             if isinstance(event, PagesStored):
                 body = {"stored": {"parent_hash": None,
                                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in hashes]}}
-            elif isinstance(event, PagesRemoved):
-                body = {"removed": {"block_hashes": hashes}}
             else:
-                continue
+                body = {"removed": {"block_hashes": hashes}}
             events.append((wid, json.dumps({"event_id": n, "data": body, "dp_rank": 0}).encode()))
             transitions += len(hashes)
     tree = RadixTree()

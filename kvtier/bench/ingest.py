@@ -19,14 +19,14 @@ import statistics
 import sys
 import time
 
-import redis
-
 from kvtier.harness.embedded import NatsServer, RedisServer
 from kvtier.plumbing.streams import StreamSettings, ensure_streams
 from kvtier.schemas.events import EventBatch, PagesRemoved, PagesStored, encode_message, pack_token_ids
-from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import events_subject
 from kvtier.schemas.tiers import Tier
+from kvtier.testing.processes import QUIET, start_processor, work_folder
+from kvtier.testing.samplers import cores_used, cpu_snapshot
+from kvtier.testing.visibility import VisibilityWatcher
 
 MODEL = "bench-model"
 
@@ -91,86 +91,6 @@ class _Workload:
         return worker, batch.seq, encode_message(batch), sum(len(e.hashes) for e in events)
 
 
-def _watch_visibility(url: str, workers: list[str], results, ready, stop) -> None:
-    """Child process: learns from Redis keyspace notifications the moment each worker's
-    state changes, reads its applied seq, and records when every seq became visible.
-    Event driven, so it neither misses a change nor adds a polling interval to the lag."""
-    client = redis.Redis.from_url(url)
-    client.config_set("notify-keyspace-events", "Kh")
-    keys = {ModelKeys.for_model(MODEL).state(w): w for w in workers}
-    pubsub = client.pubsub()
-    pubsub.psubscribe(f"__keyspace@0__:{ModelKeys.for_model(MODEL).base}:w:*:state")
-    seen = {w: 0 for w in workers}
-    visible_at: dict[tuple[str, int], float] = {}
-    first_change = None
-    ready.set()
-    while not stop.is_set():
-        changed: set[str] = set()
-        try:
-            message = pubsub.get_message(timeout=0.1)
-            while message:  # take every notification already queued, then read each key once
-                if message["type"] == "pmessage":
-                    worker = keys.get(message["channel"].decode().split(":", 1)[1])
-                    if worker is not None:
-                        changed.add(worker)
-                message = pubsub.get_message(timeout=0)
-        except redis.exceptions.TimeoutError:
-            # redis-py raises this when a non-blocking read finds half a message (a burst of
-            # notifications); the parser keeps what it read, so the next read completes it.
-            pass
-        if not changed:
-            continue
-        pipe = client.pipeline(transaction=False)
-        for worker in changed:
-            pipe.hget(ModelKeys.for_model(MODEL).state(worker), "seq")
-        values = pipe.execute()
-        now = time.time()
-        for worker, value in zip(changed, values):
-            seq = int(value or 0)
-            if seq > seen[worker]:
-                first_change = first_change or now
-                for s in range(seen[worker] + 1, seq + 1):
-                    visible_at[(worker, s)] = now
-                seen[worker] = seq
-                results.put(("seen", worker, seq))
-    results.put(("done", visible_at, first_change))
-
-
-class _Watcher:
-    def __init__(self, url: str, workers: list[str]):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("fork")
-        self.results = ctx.Queue()
-        ready = ctx.Event()
-        self.stop_flag = ctx.Event()
-        self.process = ctx.Process(target=_watch_visibility, args=(url, workers, self.results, ready, self.stop_flag),
-                                   daemon=True)
-        self.process.start()
-        ready.wait(10)
-        self.seen = {w: 0 for w in workers}
-
-    def wait_for(self, targets: dict[str, int], timeout: float, alive) -> bool:
-        deadline = time.time() + timeout
-        while any(self.seen[w] < s for w, s in targets.items()):
-            if time.time() > deadline or not alive():
-                return False
-            try:
-                _kind, worker, seq = self.results.get(timeout=0.05)
-                self.seen[worker] = max(self.seen[worker], seq)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                pass
-        return True
-
-    def finish(self) -> tuple[dict[tuple[str, int], float], float | None]:
-        self.stop_flag.set()
-        while True:
-            item = self.results.get(timeout=30)
-            if item[0] == "done":
-                self.process.join(5)
-                return item[1], item[2]
-
-
 async def _preload(nats_url: str, payloads: list[tuple[str, int, bytes, int]]) -> None:
     import nats
 
@@ -208,35 +128,12 @@ async def _paced(nats_url: str, messages: list[tuple[str, int, bytes, int]],
     return stamps
 
 
-def _cpu_seconds(pid: int) -> float:
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    import os
-
-    snap = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-    snap["bench"] = sum(os.times()[:2])
-    return snap
-
-
-def _cpu_share(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    """Cores used by each process over the phase (1.0 = one core busy)."""
-    return {name: round((after[name] - before[name]) / seconds, 2) for name in before}
-
-
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_ingest_bench(args) -> int:
-    import subprocess
-
     workload = _Workload(args.workers, args.pages_per_event, args.events_per_message, token_ids=not args.no_token_ids)
     per_message = args.pages_per_event * args.events_per_message
     count = max(1, args.transitions // per_message)
@@ -245,17 +142,15 @@ def run_ingest_bench(args) -> int:
     payloads = [workload.message(0.0) for _ in range(count)]
     total = sum(p[3] for p in payloads)
     mean_bytes = statistics.mean(len(p[2]) for p in payloads)
-    with NatsServer() as nats_server, RedisServer() as redis_server:
+    with (work_folder("kvtier-bench-ingest-", "kvtier bench ingest") as work, NatsServer() as nats_server,
+          RedisServer() as redis_server):
         asyncio.run(_preload(nats_server.url, payloads))
-        watcher = _Watcher(redis_server.url, workload.workers)
+        watcher = VisibilityWatcher(redis_server.url, MODEL, workload.workers)
         last = {w: s for w, s, _, _ in payloads}
-        processor = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "processor", "--nats", nats_server.url,
-                                      "--redis", redis_server.url, "--log-level", "WARNING",
-                                      "--hash-check", args.hash_check,
-                                      "--hash-check-budget", str(args.hash_check_budget)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        processor = start_processor(work, nats_server.url, redis_server.url, [
+            *QUIET, "--hash-check", args.hash_check, "--hash-check-budget", str(args.hash_check_budget)])
         try:
-            if not watcher.wait_for(last, 600, lambda: processor.poll() is None):
+            if not watcher.wait_for(last, 600, lambda: processor.proc.poll() is None):
                 raise RuntimeError("processor did not finish the throughput phase")
             visible_at, first_change = watcher.finish()
             done = max(visible_at[(w, s)] for w, s in last.items())
@@ -268,16 +163,16 @@ def run_ingest_bench(args) -> int:
             say(f"lag phase: {lag_rate:.0f} messages/s ({lag_transitions:,.0f} transitions/s) "
                 f"for {args.lag_seconds}s ...")
             lag_messages = [workload.message(0.0) for _ in range(max(1, int(lag_rate * args.lag_seconds)))]
-            watcher = _Watcher(redis_server.url, workload.workers)
+            watcher = VisibilityWatcher(redis_server.url, MODEL, workload.workers)
             watcher.seen = {w: last.get(w, 0) for w in workload.workers}
-            pids = {"processor": processor.pid, "nats-server": nats_server.pid, "redis-server": redis_server.pid,
+            pids = {"processor": processor.proc.pid, "nats-server": nats_server.pid, "redis-server": redis_server.pid,
                     "watcher": watcher.process.pid}
-            cpu_before, wall_before = _cpu_snapshot(pids), time.monotonic()
+            cpu_before, wall_before = cpu_snapshot(pids), time.monotonic()
             stamps = asyncio.run(_paced(nats_server.url, lag_messages, lag_rate))
-            cpu = _cpu_share(cpu_before, _cpu_snapshot(pids), time.monotonic() - wall_before)
+            cpu = cores_used(cpu_before, cpu_snapshot(pids), time.monotonic() - wall_before)
             say(f"cores used in the lag phase: {cpu}")
             final = {w: s for w, s, _, _ in lag_messages}
-            watcher.wait_for(final, 30, lambda: processor.poll() is None)
+            watcher.wait_for(final, 30, lambda: processor.proc.poll() is None)
             visible_at, _ = watcher.finish()
             lags = [(visible_at[k] - t) * 1000 for k, t in stamps.items() if k in visible_at]
             if args.trace:
@@ -289,8 +184,7 @@ def run_ingest_bench(args) -> int:
                         say(f"  t={w / 4:5.2f}s n={len(win):4d} p50={statistics.median(win):7.2f} max={max(win):7.2f}")
             missing = len(stamps) - len(lags)
         finally:
-            processor.terminate()
-            processor.wait(15)
+            processor.stop()
     result = {
         "bench": "ingest",
         "transitions": total,

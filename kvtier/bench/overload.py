@@ -1,14 +1,15 @@
 """`kvtier bench overload`: the front door at twice what the cluster can serve, with a worker
 and a replica lost on the way, and every request accounted for.
 
-The whole path as processes on embedded loopback servers: `--workers` sim-workers that answer
-in wall time (`--pace`: the first byte after the simulated TTFT, its engine queue included),
-their bridges (short leases, health-gated), NATS, a processor, Redis and two router replicas in
-proxy mode with busy thresholds and a queue. First the cluster's capacity is measured as the
-best possible answer: a closed loop straight to the workers. Then Poisson arrivals at 0.8x
-that capacity for `--low-seconds`, then at 2x for `--seconds`; during the 2x phase 200 idle
-sockets are opened to a replica, a few prompts larger than --max-prompt-bytes are sent, one
-sim-worker is killed (SIGKILL) and one replica is stopped (SIGTERM: it drains).
+The whole path as processes on embedded loopback servers (kvtier/testing/proxy_stack.py):
+`--workers` sim-workers that answer in wall time (`--pace`: the first byte after the simulated
+TTFT, its engine queue included), their bridges (short leases, health-gated), NATS, a
+processor, Redis and two router replicas in proxy mode with busy thresholds and a queue. First
+the cluster's capacity is measured as the best possible answer: a closed loop straight to the
+workers. Then Poisson arrivals at 0.8x that capacity for `--low-seconds`, then at 2x for
+`--seconds`; during the 2x phase 200 idle sockets are opened to a replica, a few prompts larger
+than --max-prompt-bytes are sent, one sim-worker is killed (SIGKILL) and one replica is stopped
+(SIGTERM: it drains).
 
 The client is what a load balancer in front of the replicas does: requests go to the replicas
 in turn, and one whose connection is refused (a replica gone) goes to the other. Every request
@@ -33,14 +34,15 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import socket
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvtier.testing.clients import closed_loop_rate
+from kvtier.testing.clients import closed_loop_rate, router_health
+
+if TYPE_CHECKING:
+    from kvtier.testing.proxy_stack import ProxyStack
 
 MODEL = "bench/overload-model"
 PAGE_SIZE = 64
@@ -166,17 +168,9 @@ async def _open_loop(session, balancer, prompts, rate: float, seconds: float, ph
     await asyncio.gather(*tasks)
 
 
-async def _healthz(session, router: str) -> dict | None:
-    try:
-        async with session.get(router + "/healthz", timeout=2) as r:
-            return json.loads(await r.read())
-    except Exception:  # noqa: BLE001 - a replica that is gone has no health
-        return None
-
-
 async def _index_entries(session, router: str) -> int | None:
-    health = await _healthz(session, router)
-    return sum(index["entries"] for index in health["indexes"]) if health else None
+    health = await router_health(session, router)
+    return sum(index.entries for index in health.indexes) if health else None
 
 
 async def _tokenizer_cache_mb(session, router: str) -> float | None:
@@ -191,13 +185,12 @@ async def _tokenizer_cache_mb(session, router: str) -> float | None:
     return round(sum(held) / (1 << 20), 2) if held else None
 
 
-async def _drive(stack: _Stack, args) -> dict:
+async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
     import aiohttp
 
     from kvtier.testing.processes import rss_mb
 
     rng = random.Random(args.seed)
-    vocabulary = stack.vocabulary
 
     def prompts() -> bytes:
         return _body(" ".join(rng.choice(vocabulary) for _ in range(args.prompt_tokens - 1)), args.max_tokens)
@@ -246,9 +239,9 @@ async def _drive(stack: _Stack, args) -> dict:
 
         async def stop_replica() -> None:
             for router in stack.routers:
-                health = await _healthz(session, router)
+                health = await router_health(session, router)
                 if health:
-                    peaks.append(health["queue"]["peak"])
+                    peaks.append(health.queue.peak)
             stack.router_procs[1].proc.terminate()  # SIGTERM: it drains
 
         await _open_loop(session, balancer, prompts, 2 * capacity, args.seconds, "2x", tally, rng,
@@ -258,9 +251,9 @@ async def _drive(stack: _Stack, args) -> dict:
                                                        *((args.seconds * f, sample(f"2x at {f:.0%}"))
                                                          for f in (0.25, 0.5, 0.75, 0.99))])
         for router in stack.routers:
-            health = await _healthz(session, router)
+            health = await router_health(session, router)
             if health:
-                peaks.append(health["queue"]["peak"])
+                peaks.append(health.queue.peak)
         rss_end = [rss_mb(p.live_pid) for p in stack.router_procs]
         entries_end = await _index_entries(session, stack.routers[0])
         cache_end = await _tokenizer_cache_mb(session, stack.routers[0])
@@ -318,61 +311,21 @@ async def _drive(stack: _Stack, args) -> dict:
     }
 
 
-@dataclass
-class _Stack:
-    workers: list[str]
-    routers: list[str]
-    sim_procs: list
-    router_procs: list
-    vocabulary: list[str]
-
-
 def run_overload_bench(args) -> int:
-    import redis
+    from kvtier.testing.model_tokenizers import write_tokenizer
+    from kvtier.testing.processes import work_folder
+    from kvtier.testing.proxy_stack import proxy_stack
 
-    from kvtier.bench.proxy import _wait_up, write_tokenizer
-    from kvtier.harness.embedded import NatsServer, RedisServer, free_port
-    from kvtier.testing.processes import KvtierSubprocess, start_sim_workers, wait_announced
-
-    work = tempfile.mkdtemp(prefix="kvtier-bench-overload-")
-    tokenizer = os.path.join(work, "tokenizer")
-    vocabulary = write_tokenizer(tokenizer)
-    quiet = ["--log-level", "WARNING"]
-    processes: list[KvtierSubprocess] = []
-    results: dict | None = None
-    with NatsServer() as nats, RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
-        try:
-            processes.append(KvtierSubprocess(["processor", "--nats", nats.url, "--redis", server.url, *quiet],
-                                              work, "processor"))
-            workers, sims, bridges = start_sim_workers(
-                args.workers, work, nats.url, MODEL, PAGE_SIZE, tokenizer,
+    with work_folder("kvtier-bench-overload-", "kvtier bench overload") as work:
+        tokenizer = os.path.join(work, "tokenizer")
+        vocabulary = write_tokenizer(tokenizer)
+        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, args.workers, 2, [
+                "--busy-prefill-tokens", str(args.busy_prefill_tokens), "--queue-timeout", str(args.queue_timeout),
+                "--max-prompt-bytes", str(args.max_prompt_bytes), "--drain-timeout", "10",
+                "--tokenizer-cache-mb", str(args.tokenizer_cache_mb)],
                 sim_flags=["--device-pages", str(args.device_pages), "--pace"],
-                bridge_flags=["--heartbeat", "0.5", "--lease-ttl", "3", "--engine-health-timeout", "1"])
-            processes += [*sims, *bridges]
-            wait_announced(client, MODEL, args.workers, processes, timeout=60)
-            routers, router_procs = [], []
-            for i in range(2):
-                port = free_port()
-                proc = KvtierSubprocess(
-                    ["router", "--redis", server.url, "--http-port", str(port), "--proxy", "--tokenizer",
-                     f"{MODEL}={tokenizer}", "--busy-prefill-tokens", str(args.busy_prefill_tokens),
-                     "--queue-timeout", str(args.queue_timeout), "--max-prompt-bytes", str(args.max_prompt_bytes),
-                     "--drain-timeout", "10", "--tokenizer-cache-mb", str(args.tokenizer_cache_mb), *quiet],
-                    work, f"router-{i}")
-                processes.append(proc)
-                router_procs.append(proc)
-                routers.append(f"http://127.0.0.1:{port}")
-            asyncio.run(_wait_up(routers, processes))
-            results = asyncio.run(_drive(_Stack(workers, routers, sims, router_procs, vocabulary), args))
-        finally:
-            for p in reversed(processes):
-                p.stop()
-            client.close()
-            if results is not None:
-                shutil.rmtree(work, ignore_errors=True)
-            else:
-                print(f"kvtier bench overload failed; the processes' logs are in {work}", file=sys.stderr)
+                bridge_flags=["--heartbeat", "0.5", "--lease-ttl", "3", "--engine-health-timeout", "1"]) as stack:
+            results = asyncio.run(_drive(stack, vocabulary, args))
     _print(results)
     if args.json:
         print(json.dumps(results))

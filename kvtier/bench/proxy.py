@@ -1,9 +1,10 @@
 """`kvtier bench proxy`: what the OpenAI-compatible proxy adds to the latency a user feels.
 
-The whole path as processes on embedded loopback servers: sim-workers serving the OpenAI API,
-their bridges, NATS, a processor, Redis and router replicas in proxy mode, workers and routers
-tokenizing with DeepSeek-V4's real byte-level BPE tokenizer and a DeepSeek-shaped chat template
-(kvtier/bench/deepseek.py). Prompts are English prose from a seeded sentence generator, cut to
+The whole path as processes on embedded loopback servers (kvtier/testing/proxy_stack.py):
+sim-workers serving the OpenAI API, their bridges, NATS, a processor, Redis and router replicas
+in proxy mode, workers and routers tokenizing with DeepSeek-V4's real byte-level BPE tokenizer
+and a DeepSeek-shaped chat template (kvtier/testing/model_tokenizers.py). Prompts are English
+prose from a seeded sentence generator (kvtier/testing/prose.py), cut to
 their token counts with that same tokenizer. Every measured request is streamed with one output
 token; its TTFT is the client's time to the first byte of the answer.
 
@@ -52,129 +53,23 @@ import itertools
 import json
 import os
 import random
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kvtier.schemas.openai import reported_usage
-from kvtier.testing.clients import closed_loop_rate
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
-    from kvtier.plumbing.tokenizer import ModelTokenizer
+from kvtier.testing.clients import closed_loop_rate, metric_sum
+from kvtier.testing.model_tokenizers import PlainTokenizer
+from kvtier.testing.prose import Prose
 
 MODEL = "bench/proxy-model"
 PAGE_SIZE = 64
-SPECIAL = ["<s>", "</s>"]
 WORKLOADS = ("fresh", "multi_turn", "shared_system")
 COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
 #: Texts the rate phase's prompts are made from (each request's made new by its first line).
 RATE_TEXTS = 16
-
-
-def write_tokenizer(folder: str, words: int = 30_000) -> list[str]:
-    """A word-level tokenizer (one token per word, a BOS added as the engines' files do) saved
-    as tokenizer.json + tokenizer_config.json; returns its words."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocabulary = [f"w{i}" for i in range(words)]
-    ids = {token: i for i, token in enumerate(["[UNK]", *SPECIAL, *vocabulary])}
-    tokenizer = Tokenizer(models.WordLevel(ids, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(SPECIAL)
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", ids["<s>"])])
-    os.makedirs(folder, exist_ok=True)
-    tokenizer.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>",
-                   "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"}, f)
-    return vocabulary
-
-
-# Ordinary English words of varied length, so the BPE tokenizer meets whole words, common
-# suffixes and the odd split, as in real prose (random vocabulary ids would not be text at all).
-WORDS = """
-a an the and or but if so as at by for from in into of off on onto out over to up with about above
-across after against along among around before behind below beneath beside between beyond during
-except inside near since through toward under until upon within without I you he she it we they me
-him her us them my your his its our their this that these those who what which when where why how
-all any both each few more most other some such no nor not only own same than too very can will just
-should now is are was were be been being have has had do does did say said make made go went take
-took see saw come came know knew think thought look looked want give gave use used find found tell
-told ask asked work worked seem felt try tried leave left call called keep kept begin began show
-showed hear heard play played run ran move moved live lived believe brought happen wrote provide sat
-stood lose paid meet include continue set learn change lead understand watch follow stop create
-speak read allow add spend grow open walk win offer remember love consider appear buy wait serve die
-send expect build stay fall cut reach kill remain suggest raise pass sell require report decide pull
-time year people way day man woman child world life hand part place case week company system program
-question government number night point home water room mother area money story fact month lot right
-study book eye job word business issue side kind head house service friend father power hour game
-line end member law car city community name president team minute idea kid body information back
-parent face others level office door health person art war history party result morning reason
-research girl guy moment air teacher force education foot boy age policy process music market sense
-nation plan college interest death experience effect class control care field development role
-effort rate heart drug show leader light voice wife police mind price report decision son view
-relationship town road arm difference value building action model season society tax director
-position player record paper space ground form event official matter center couple site project
-activity star table need court oil situation cost industry figure street image phone data picture
-practice piece land product doctor wall patient worker news test movie north love support technology
-step baby computer type attention film tree source organization hair window evidence population
-good new first last long great little old big high different small large next early young important
-public bad able late hard major better economic strong possible whole free military true federal
-international full special easy clear recent certain personal open red difficult available likely
-short single medical current wrong private past foreign fine common poor natural significant similar
-hot dead central happy serious ready simple left physical general environmental financial blue
-democratic dark various entire close legal religious cold final main green nice huge popular
-traditional cultural quickly slowly carefully suddenly usually nearly finally probably certainly
-quietly directly especially recently exactly perhaps together already however therefore meanwhile
-afterwards nevertheless extraordinary responsibility understanding neighbourhood
-""".split()
-
-
-class Prose:
-    """English prose from a seeded generator: sentences of 8-25 words with capitals, commas,
-    periods and some numbers, paragraphs of 3-7 sentences, cut to a token count by the real
-    tokenizer (its raw encoding, no special tokens: the caller adds what the prompt's format adds)."""
-
-    def __init__(self, rng: random.Random, tokenizer: Tokenizer):
-        self._rng = rng
-        self._tokenizer = tokenizer
-
-    def _number(self) -> str:
-        rng = self._rng
-        return rng.choice((str(rng.randint(2, 99)), str(rng.randint(1900, 2030)),
-                           f"{rng.randint(1, 9)}.{rng.randint(0, 9)}"))
-
-    def _sentence(self) -> str:
-        words = self._rng.choices(WORDS, k=self._rng.randint(8, 25))
-        for i in range(len(words)):
-            draw = self._rng.random()
-            if draw < 0.03:
-                words[i] = self._number()
-            elif draw < 0.11 and i < len(words) - 1:
-                words[i] += ","
-        words[0] = words[0].capitalize()
-        return " ".join(words) + "."
-
-    def _paragraph(self) -> str:
-        return " ".join(self._sentence() for _ in range(self._rng.randint(3, 7)))
-
-    def text(self, tokens: int) -> str:
-        """About `tokens` tokens of prose (the cut word may encode a token more or less alone)."""
-        text, chars = "", tokens * 6  # this prose is ~5.2 characters a token: one encoding, as a rule
-        while True:
-            while len(text) < chars:
-                text = f"{text}\n\n{self._paragraph()}" if text else self._paragraph()
-            offsets = self._tokenizer.encode(text, add_special_tokens=False).offsets
-            if len(offsets) >= tokens:
-                return text[:offsets[tokens - 1][1]]
-            chars *= 2
 
 
 def _completion(prompt: str, stream: bool = True) -> dict[str, Any]:
@@ -319,38 +214,6 @@ class MultiTurn:
         return Pair(_chat(direct), _chat(routed), c % self.workers, c % self.routers)
 
 
-@dataclass(frozen=True)
-class PlainTokenizer:
-    """Prompts tokenized as an engine tokenizes them: the tokenizers library's encode of the
-    whole text (of a chat, its template's text), special tokens added to a text prompt only.
-    None of kvtier's faster encoders (a piece cache, a long text encoded in parts) take part,
-    so a fault of theirs, in a router or a sim-worker, shows as a count that differs."""
-
-    raw: Tokenizer
-    template: ModelTokenizer  # for its chat template alone
-
-    @classmethod
-    def load(cls, folder: str) -> PlainTokenizer:
-        from tokenizers import Tokenizer
-
-        from kvtier.plumbing.tokenizer import ModelTokenizer
-
-        return cls(Tokenizer.from_file(os.path.join(folder, "tokenizer.json")), ModelTokenizer.load(folder))
-
-    def _encode(self, text: str, add_special_tokens: bool) -> int:
-        return len(self.raw.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
-
-    def count(self, payload: dict[str, Any]) -> int:
-        """The prompt tokens of a completion's or a chat's body."""
-        if "messages" in payload:
-            return self._encode(self.template.render_chat(payload["messages"]), add_special_tokens=False)
-        return self._encode(payload["prompt"], add_special_tokens=True)
-
-    def text_tokens(self, prompt_tokens: int) -> int:
-        """The tokens of text in a `prompt_tokens` text prompt: less the special tokens (a BOS) added to it."""
-        return prompt_tokens - self._encode("", add_special_tokens=True)
-
-
 def _workloads(names: list[str], tokenizer: PlainTokenizer, args, workers: int, routers: int) -> list[Workload]:
     def prose(name: str) -> Prose:  # each workload its own seeded text, whichever others run
         return Prose(random.Random(f"{args.seed}:{name}"), tokenizer.raw)
@@ -404,20 +267,14 @@ async def _timed(session, url: str, path: str, payload: dict[str, Any]) -> Timed
                  worker=r.headers.get("X-Kvtier-Worker", ""), prompt_tokens=usage.prompt_tokens if usage else 0)
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The sum of one metric's samples in a Prometheus text page, of those with `labels`."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if (line.startswith(name + " ") or line.startswith(name + "{"))
-               and all(f'{key}="{value}"' in line for key, value in labels.items()))
-
-
 async def _scrape(session, routers: list[str]) -> list[str]:
     return [await (await session.get(router + "/metrics")).text() for router in routers]
 
 
 def _growth(before: list[str], after: list[str], name: str, **labels: str) -> float:
     """How much a metric grew between two scrapes of every router."""
-    return sum(_metric(a, name, **labels) - _metric(b, name, **labels) for b, a in zip(before, after, strict=True))
+    return sum(metric_sum(a, name, **labels) - metric_sum(b, name, **labels)
+               for b, a in zip(before, after, strict=True))
 
 
 async def _measure_workload(session, workload: Workload, workers: list[str], routers: list[str],
@@ -519,9 +376,9 @@ async def _measure(workers: list[str], routers: list[str], folder: str, names: l
         "direct_requests_per_s": direct_rate,
         "requests_per_s_per_replica": per_replica, "requests_per_s_all_replicas": all_replicas,
         "concurrency": args.concurrency,
-        "tokenizer_mismatches": sum(_metric(text, "router_tokenizer_checks_total", outcome="mismatch")
+        "tokenizer_mismatches": sum(metric_sum(text, "router_tokenizer_checks_total", outcome="mismatch")
                                     for text in metrics),
-        "token_ids_handed_over": sum(_metric(text, "router_token_ids_handed_over_total") for text in metrics),
+        "token_ids_handed_over": sum(metric_sum(text, "router_token_ids_handed_over_total") for text in metrics),
     }
 
 
@@ -535,61 +392,23 @@ def _workload_names(text: str) -> list[str]:
 
 
 def run_proxy_bench(args) -> int:
-    import redis
-
-    from kvtier.bench.deepseek import write_deepseek_tokenizer
-    from kvtier.harness.embedded import NatsServer, RedisServer, free_port
-    from kvtier.testing.processes import KvtierSubprocess, start_sim_workers, wait_announced
+    from kvtier.testing.model_tokenizers import write_deepseek_tokenizer
+    from kvtier.testing.processes import work_folder
+    from kvtier.testing.proxy_stack import proxy_stack
 
     names = _workload_names(args.workloads)
-    work = tempfile.mkdtemp(prefix="kvtier-bench-proxy-")
-    tokenizer = write_deepseek_tokenizer(os.path.join(work, "tokenizer"))
-    quiet = ["--log-level", "WARNING"]
     longest = max(args.prompt_tokens, args.conversation_tokens, args.system_tokens + args.question_tokens)
-    router_flags = ["--proxy", "--tokenizer", f"{MODEL}={tokenizer}", "--max-request-tokens",
-                    str(max(longest * 2, 1 << 18)), *(["--hand-over-token-ids"] if args.hand_over_token_ids else [])]
-    processes: list[KvtierSubprocess] = []
-    results: dict | None = None
-    with NatsServer() as nats, RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
-        try:
-            processes.append(KvtierSubprocess(["processor", "--nats", nats.url, "--redis", server.url, *quiet],
-                                              work, "processor"))
-            workers, sims, bridges = start_sim_workers(args.workers, work, nats.url, MODEL, PAGE_SIZE, tokenizer,
-                                                       sim_flags=["--device-pages", "65536"])
-            processes += [*sims, *bridges]
-            wait_announced(client, MODEL, args.workers, processes, timeout=60)
-            routers = []
-            for i in range(args.replicas):
-                port = free_port()
-                processes.append(KvtierSubprocess(
-                    ["router", "--redis", server.url, "--http-port", str(port), *router_flags, *quiet],
-                    work, f"router-{i}"))
-                routers.append(f"http://127.0.0.1:{port}")
-            asyncio.run(_wait_up(routers, processes))
-            results = asyncio.run(_measure(workers, routers, tokenizer, names, args))
-        finally:
-            for p in reversed(processes):
-                p.stop()
-            client.close()
-            if results is not None:
-                shutil.rmtree(work, ignore_errors=True)
-            else:
-                print(f"kvtier bench proxy failed; the processes' logs are in {work}", file=sys.stderr)
+    with work_folder("kvtier-bench-proxy-", "kvtier bench proxy") as work:
+        tokenizer = write_deepseek_tokenizer(os.path.join(work, "tokenizer"))
+        router_flags = ["--max-request-tokens", str(max(longest * 2, 1 << 18)),
+                        *(["--hand-over-token-ids"] if args.hand_over_token_ids else [])]
+        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, args.workers, args.replicas, router_flags,
+                         sim_flags=["--device-pages", "65536"]) as stack:
+            results = asyncio.run(_measure(stack.workers, stack.routers, tokenizer, names, args))
     _print(results)
     if args.json:
         print(json.dumps(results))
     return 0
-
-
-async def _wait_up(routers: list[str], processes) -> None:
-    import aiohttp
-
-    from kvtier.testing.processes import wait_http
-
-    async with aiohttp.ClientSession() as session:
-        for router in routers:
-            await wait_http(session, router + "/healthz", processes, timeout=60)
 
 
 def _print(r: dict[str, Any]) -> None:

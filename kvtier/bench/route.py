@@ -12,7 +12,7 @@ Measured, side by side in one run:
     production), sequential: latency p50/p99; then concurrent: decisions/s; Redis time per
     decision (INFO commandstats, each command sent counted once) and Redis process CPU per
     decision (INFO cpu). Twice, taking turns by blocks of requests: reading overlaps from the
-    replica's in-memory index (`--state-source mirror`, the default: the keys without prefix;
+    replica's in-memory index (`--state-source index`, the default: the keys without prefix;
     measured only once the index is ready, and decisions that still said `index-not-ready`
     are counted) and walking in Redis (`--state-source redis`: the same keys prefixed `redis_`);
   - the index lookup alone, no Redis: hashing the request + `TierIndex.overlaps` for every
@@ -29,7 +29,7 @@ Measured, side by side in one run:
     runs in a private network namespace, see --shared-pool);
   - over HTTP to a `kvtier router` process: decisions/s at `--http-concurrency`, beside the same
     client against a bare aiohttp + msgspec server of the same bodies (`bare_http_per_s`,
-    kvtier/bench/bare_http.py), taking turns with it;
+    kvtier/testing/bare_http.py), taking turns with it;
   - Dynamo's `RadixTree.find_matches` on the same device pages (ai-dynamo-runtime, optional),
     single-tier and in-process.
 """
@@ -40,33 +40,32 @@ import asyncio
 import json
 import multiprocessing
 import random
-import re
 import statistics
 import struct
 import sys
 import time
 import tracemalloc
+from typing import Any
 
 import msgspec
 import redis
 
-from kvtier.consumers.apply import TierStateWriter
 from kvtier.harness.embedded import RedisServer
 from kvtier.plumbing.connections import redis_async_client
 from kvtier.schemas.changes import TierChange
-from kvtier.schemas.events import BridgeCursor, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
-from kvtier.schemas.hashes import block_hashes_of_keys, sglang_block_hashes, sglang_page_digests
+from kvtier.schemas.hashes import block_hashes_of_keys, sglang_page_digests
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
-from kvtier.schemas.tiers import Tier
-from kvtier.schemas.worker import MooncakeLayout, WorkerMetadata
+from kvtier.schemas.worker import MooncakeLayout
 from kvtier.testing import clients
+from kvtier.testing.samplers import RedisCost
+from kvtier.testing.seeded_state import ConversationState, Holdings, lag_writer, scale_holdings, seed_holdings
 
 MODEL = "bench-model"
 SCALE_MODEL = "bench-model-1m"
 LAG_MODEL = "bench-model-lag"
 U64 = 1 << 64
-#: Why a decision walked in Redis although its router reads an index (router/mirror.py).
+#: Why a decision walked in Redis although its router reads an index (router/index_feed.py).
 NOT_READY = "index-not-ready"
 
 
@@ -81,48 +80,7 @@ def _summary(latencies_s: list[float]) -> dict[str, float]:
             "mean_ms": round(statistics.fmean(ms), 4)}
 
 
-class BenchState:
-    def __init__(self, args, rng: random.Random):
-        self.args = args
-        self.page_size = args.page_size
-        self.conversations = [
-            [rng.randrange(1, 150_000) for _ in range(args.request_pages * args.page_size)]
-            for _ in range(args.conversations)]
-        self.hashes = [sglang_block_hashes(tokens, args.page_size) for tokens in self.conversations]
-        # worker -> (conversation, device pages, host pages, disk pages)
-        self.holdings: dict[str, list[tuple[int, int, int, int]]] = {}
-        for w in range(args.workers):
-            held = []
-            for conv in rng.sample(range(args.conversations), args.conversations_per_worker):
-                device = rng.randint(0, args.request_pages)
-                host = rng.randint(0, args.request_pages - device)
-                disk = rng.randint(0, args.request_pages - device - host)
-                held.append((conv, device, host, disk))
-            self.holdings[f"worker-{w:03d}"] = held
-
-    def seed(self, client: redis.Redis, rng: random.Random, layout: MooncakeLayout | None) -> int:
-        writer = TierStateWriter(client)
-        entries = 0
-        for worker, held in self.holdings.items():
-            meta = WorkerMetadata(worker_id=worker, model=MODEL, page_size=self.page_size, mooncake=layout)
-            writer.announce(WorkerAnnounce(metadata=meta, ts=time.time(), lease_ttl_s=3600.0,
-                                           cursor=BridgeCursor(epoch=1, seq=0)))
-            tiers: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.DISK: []}
-            for conv, device, host, disk in held:
-                h = self.hashes[conv]
-                tiers[Tier.DEVICE] += h[:device]
-                tiers[Tier.HOST] += h[device:device + host]
-                tiers[Tier.DISK] += h[device + host:device + host + disk]
-            for tier in tiers:
-                tiers[tier] += [rng.randrange(-(1 << 63), 1 << 63) for _ in range(self.args.noise_pages)]
-            events = [PagesStored(tier=t, hashes=pages) for t, pages in tiers.items()]
-            entries += sum(len(p) for p in tiers.values())
-            writer.apply(EventBatch(worker_id=worker, model=MODEL, epoch=1, seq=1, ts=time.time(),
-                                    source_ts=time.time(), events=events))
-        return entries
-
-
-def _dynamo_find_matches(state: BenchState, requests: list[int]) -> dict[str, float] | None:
+def _dynamo_find_matches(state: ConversationState, requests: list[int]) -> dict[str, float] | None:
     try:
         from dynamo.llm import RadixTree
     except ImportError:
@@ -161,53 +119,8 @@ async def _wait_index_ready(router, tokens: list[int], model: str = MODEL, timeo
         await asyncio.sleep(0.005)
 
 
-def _commands_in_scripts() -> frozenset[str]:
-    """Commands kvtier's Lua scripts call: INFO commandstats counts them too, beside the
-    script call whose time already includes theirs."""
-    from importlib import resources
-
-    names = set()
-    for package in ("kvtier.router", "kvtier.consumers"):
-        for item in resources.files(package).iterdir():
-            if item.name.endswith(".lua"):
-                names |= {m.lower() for m in re.findall(r"redis\.p?call\('([A-Za-z]+)'", item.read_text())}
-    return frozenset(names)
-
-
-class RedisCost:
-    """Redis time over measurements, from the server's own accounting. `command_us`: INFO
-    commandstats, each command sent counted once (a script call with everything it called;
-    the commands scripts call are left out, not counted twice); `process_us`: the server
-    process's CPU time (INFO cpu, user + system), parsing and networking included. Snapshots,
-    not resets: measurements of several routers can alternate and each sum up its own."""
-
-    _IN_SCRIPTS: frozenset[str] | None = None
-
-    def __init__(self, client) -> None:
-        self.client = client
-        if RedisCost._IN_SCRIPTS is None:
-            RedisCost._IN_SCRIPTS = _commands_in_scripts()
-
-    def _totals(self, cpu: dict, stats: dict) -> tuple[float, float]:
-        skip = self._IN_SCRIPTS or frozenset()
-        sent = sum(v["usec"] for k, v in stats.items()
-                   if k.startswith("cmdstat_") and k[8:] not in skip and k[8:].split("|")[0] not in ("info", "config"))
-        return sent, (cpu["used_cpu_user"] + cpu["used_cpu_sys"]) * 1e6
-
-    def snapshot(self) -> tuple[float, float]:
-        return self._totals(self.client.info("cpu"), self.client.info("commandstats"))
-
-    async def snapshot_async(self) -> tuple[float, float]:
-        return self._totals(await self.client.info("cpu"), await self.client.info("commandstats"))
-
-    @staticmethod
-    def per_decision(spent: tuple[float, float], decisions: int) -> dict[str, float]:
-        return {"redis_cpu_us_per_decision": round(spent[0] / decisions, 1),
-                "redis_process_cpu_us_per_decision": round(spent[1] / decisions, 1)}
-
-
-async def _in_process(state: BenchState, redis_url: str, requests: list[int], concurrency: int,
-                      shared_pool=None, sources: tuple[str, ...] = ("mirror",), keep: dict | None = None,
+async def _in_process(state: ConversationState, redis_url: str, requests: list[int], concurrency: int,
+                      shared_pool=None, sources: tuple[str, ...] = ("index",), keep: dict | None = None,
                       block: int = 250) -> dict[str, dict[str, float]]:
     """One in-process router per state source (`RouterSettings.state_source`), each measured on
     the same requests; with several, they take turns by blocks of `block` decisions (the first
@@ -219,15 +132,17 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
 
     from kvtier.router.core import Router, RouterSettings
     from kvtier.router.metrics import RouterMetrics
+    from kvtier.router.settings import StateSource
 
     client = redis_async_client(redis_url)
-    routers = {source: Router(client, RouterSettings(shared_cache=shared_pool is not None, state_source=source),
+    routers = {source: Router(client, RouterSettings(shared_cache=shared_pool is not None,
+                                                     state_source=StateSource(source)),
                               RouterMetrics(), shared_pool=shared_pool, rng=random.Random(1))
                for source in sources}
     try:
         results: dict[str, dict[str, float]] = {source: {} for source in sources}
         for source, router in routers.items():
-            if router.mirror is not None:
+            if router.indexes is not None:
                 started = time.perf_counter()
                 await _wait_index_ready(router, state.conversations[0])
                 results[source]["index_ready_wait_s"] = round(time.perf_counter() - started, 3)
@@ -296,12 +211,12 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
             # Redis pays per decision when a replica is busy.
             results[source]["redis_cpu_us_per_decision_concurrent"] = round(
                 concurrent_spent[source] / len(requests), 1)
-            if router.mirror is not None:
+            if router.indexes is not None:
                 results[source]["index_not_ready_decisions"] = not_ready[source]
-                mirror = router.mirror.models[ModelKeys.for_model(MODEL).model_token]
-                results[source]["index_entries"] = mirror.index.entries
+                model_index = router.indexes.models[ModelKeys.for_model(MODEL).model_token]
+                results[source]["index_entries"] = model_index.index.entries
                 if keep is not None:
-                    keep["index"] = mirror.index
+                    keep["index"] = model_index.index
         return results
     finally:
         for router in routers.values():
@@ -309,7 +224,7 @@ async def _in_process(state: BenchState, redis_url: str, requests: list[int], co
         await client.aclose()
 
 
-def _lookup(state: BenchState, index, requests: list[int]) -> dict[str, float]:
+def _lookup(state: ConversationState, index, requests: list[int]) -> dict[str, float]:
     """The in-memory read alone, no Redis: the request's tokens hashed (router/hashing.py) and
     every worker's overlap walked in the index; then the walk alone, hashes precomputed."""
     from kvtier.router.hashing import RequestPages
@@ -332,27 +247,7 @@ def _lookup(state: BenchState, index, requests: list[int]) -> dict[str, float]:
             "walk_p50_ms": walk["p50_ms"], "walk_p99_ms": walk["p99_ms"]}
 
 
-# --- at scale: ~1M (page, tier) entries -------------------------------------------------------
-def scale_holdings(rng: random.Random, workers: int, target_entries: int) -> dict[str, dict[Tier, list[int]]]:
-    """worker -> tier -> pages, at least `target_entries` (page, tier) entries in all, shaped
-    like HiCache with write-through: every worker holds 512 shared prefix pages (system prompts)
-    on device and host; of its own pages 55% are on device and host (written through), 35% on
-    host only (evicted from the GPU), 10% on disk only (evicted to storage)."""
-    shared = [rng.getrandbits(64) - (1 << 63) for _ in range(512)]
-    per_worker = -(-target_entries // workers) - 2 * len(shared)
-    own = -(-per_worker * 100 // 155)  # 1.55 entries per own page
-    both, host_only = own * 55 // 100, own * 35 // 100
-    disk_only = max(0, per_worker - 2 * both - host_only)
-    out: dict[str, dict[Tier, list[int]]] = {}
-    for w in range(workers):
-        pages = [rng.getrandbits(64) - (1 << 63) for _ in range(both + host_only + disk_only)]
-        device = shared + pages[:both]
-        out[f"worker-{w:03d}"] = {Tier.DEVICE: device, Tier.HOST: device + pages[both:both + host_only],
-                                  Tier.DISK: pages[both + host_only:]}
-    return out
-
-
-def _index_memory(holdings: dict[str, dict[Tier, list[int]]]) -> dict[str, float]:
+def _index_memory(holdings: Holdings) -> dict[str, float]:
     """The index's memory per (page, tier) entry, built the way a bootstrap builds it (page keys
     from the scan decoded, then stored), traced from before the first page int exists."""
     from kvtier.router.tier_index import TierIndex
@@ -375,35 +270,21 @@ def _index_memory(holdings: dict[str, dict[Tier, list[int]]]) -> dict[str, float
             "index_scale_mib": round((current - base) / 2 ** 20, 1)}
 
 
-def _seed_scale(client: redis.Redis, holdings: dict[str, dict[Tier, list[int]]], page_size: int,
-                chunk: int = 16_384) -> None:
-    """The state through the processor's apply code, one batch per worker (events of at most
-    `chunk` pages)."""
-    writer = TierStateWriter(client)
-    for worker, by_tier in holdings.items():
-        meta = WorkerMetadata(worker_id=worker, model=SCALE_MODEL, page_size=page_size)
-        writer.announce(WorkerAnnounce(metadata=meta, ts=time.time(), lease_ttl_s=3600.0,
-                                       cursor=BridgeCursor(epoch=1, seq=0)))
-        events = [PagesStored(tier=tier, hashes=pages[i:i + chunk])
-                  for tier, pages in by_tier.items() for i in range(0, len(pages), chunk)]
-        writer.apply(EventBatch(worker_id=worker, model=SCALE_MODEL, epoch=1, seq=1, ts=time.time(),
-                                source_ts=time.time(), events=events))
-
-
 async def _bootstrap(redis_url: str, tokens: list[int]) -> dict[str, float]:
     """A router created on the big state: time to its first decision read from its index."""
 
     from kvtier.router.core import Router, RouterSettings
     from kvtier.router.metrics import RouterMetrics
+    from kvtier.router.settings import StateSource
 
     client = redis_async_client(redis_url)
     started = time.perf_counter()
-    router = Router(client, RouterSettings(state_source="mirror"), RouterMetrics(), rng=random.Random(1))
+    router = Router(client, RouterSettings(state_source=StateSource.INDEX), RouterMetrics(), rng=random.Random(1))
     try:
         not_ready = await _wait_index_ready(router, tokens, SCALE_MODEL)
         elapsed = time.perf_counter() - started
-        assert router.mirror is not None
-        health = router.mirror.health()[0]
+        assert router.indexes is not None
+        health = router.indexes.health()[0]
         return {"bootstrap_s_1m": round(elapsed, 3), "bootstrap_last_s_1m": health.last_bootstrap_seconds,
                 "bootstrap_entries_1m": health.entries, "bootstrap_not_ready_decisions": not_ready}
     finally:
@@ -412,68 +293,14 @@ async def _bootstrap(redis_url: str, tokens: list[int]) -> dict[str, float]:
 
 
 # --- index lag under a write load ----------------------------------------------------------
-def _lag_writer(redis_url: str, rate: float, seconds: float, workers: int, batch_pages: int, seed: int,
-                ready, go, out) -> None:
-    """A processor-like writer (its own process, client and TierStateWriter): `rate` page
-    transitions/s for `seconds`, as `batch_pages`-page batches of one store or remove each,
-    sent when due (pipelined when several are), round robin over `workers` workers."""
-    rng = random.Random(seed)
-    client = redis.Redis.from_url(redis_url)
-    writer = TierStateWriter(client)
-    names = [f"lag-worker-{w:03d}" for w in range(workers)]
-    seq = dict.fromkeys(names, 0)
-    held: dict[str, list[tuple[Tier, list[int]]]] = {w: [] for w in names}
-
-    def batch(worker: str, events) -> EventBatch:
-        seq[worker] += 1
-        now = time.time()
-        return EventBatch(worker_id=worker, model=LAG_MODEL, epoch=1, seq=seq[worker], ts=now, source_ts=now,
-                          events=events)
-
-    for worker in names:
-        meta = WorkerMetadata(worker_id=worker, model=LAG_MODEL, page_size=64)
-        writer.announce(WorkerAnnounce(metadata=meta, ts=time.time(), lease_ttl_s=3600.0,
-                                       cursor=BridgeCursor(epoch=1, seq=0)))
-    writer.apply_many([batch(w, [PagesStored(tier=Tier.DEVICE, hashes=[rng.getrandbits(63)])]) for w in names])
-    ready.set()
-    go.wait()
-    per_s = rate / batch_pages
-    sent = transitions = 0
-    statuses: dict[str, int] = {}
-    start = time.perf_counter()
-    while (now := time.perf_counter() - start) < seconds:
-        due = min(int(now * per_s) + 1 - sent, 64)
-        if due <= 0:
-            time.sleep(min(0.002, (sent / per_s) - now))
-            continue
-        batches = []
-        for _ in range(due):
-            worker = names[sent % workers]
-            sent += 1
-            if len(held[worker]) >= 8:  # steady state: a store, then a remove, of 128 pages each
-                tier, pages = held[worker].pop(0)
-                batches.append(batch(worker, [PagesRemoved(tier=tier, hashes=pages)]))
-            else:
-                tier = rng.choice((Tier.DEVICE, Tier.HOST))
-                pages = [rng.getrandbits(64) - (1 << 63) for _ in range(batch_pages)]
-                held[worker].append((tier, pages))
-                batches.append(batch(worker, [PagesStored(tier=tier, hashes=pages)]))
-        for result in writer.apply_many(batches):
-            transitions += result.transitions
-            statuses[result.status.name] = statuses.get(result.status.name, 0) + 1
-    out.put({"batches": sent, "transitions": transitions, "elapsed_s": time.perf_counter() - start,
-             "statuses": statuses})
-    client.close()
-
-
 async def _index_lag(redis_url: str, args) -> dict[str, object]:
 
-    from kvtier.router.mirror import ModelMirror
+    from kvtier.router.index_feed import ModelIndex
 
     ctx = multiprocessing.get_context("spawn")
     ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=_lag_writer, args=(redis_url, args.lag_rate, args.lag_seconds, args.workers,
-                                                  args.request_pages, args.seed, ready, go, out), daemon=True)
+    proc = ctx.Process(target=lag_writer, args=(redis_url, LAG_MODEL, args.lag_rate, args.lag_seconds, args.workers,
+                                                 args.request_pages, args.seed, ready, go, out), daemon=True)
     proc.start()
     client = redis_async_client(redis_url)
     lags_ms: list[float] = []
@@ -481,27 +308,27 @@ async def _index_lag(redis_url: str, args) -> dict[str, object]:
     def applied(change: TierChange) -> None:
         lags_ms.append(time.time() * 1000 - change.written_ms)
 
-    mirror = ModelMirror(client, ModelKeys.for_model(LAG_MODEL).model_token, on_applied=applied)
+    follower = ModelIndex(client, ModelKeys.for_model(LAG_MODEL).model_token, on_applied=applied)
     try:
         if not await asyncio.to_thread(ready.wait, 60):
             raise SystemExit("the lag writer did not start")
-        mirror.start()
+        follower.start()
         deadline = time.monotonic() + 30
-        while not mirror.ready:
+        while not follower.ready:
             if time.monotonic() > deadline:
                 raise SystemExit("the lag model's index was not ready after 30s")
             await asyncio.sleep(0.01)
         lags_ms.clear()
         go.set()
         written = await asyncio.to_thread(out.get, True, args.lag_seconds + 60)
-        last = await client.xrevrange(mirror.keys.changes, count=1)
+        last = await client.xrevrange(follower.keys.changes, count=1)
         last_id = last[0][0].decode() if last else "0-0"
         deadline = time.monotonic() + 10
-        while mirror.position != last_id and time.monotonic() < deadline:
+        while follower.position != last_id and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        behind = mirror.position != last_id
+        behind = follower.position != last_id
     finally:
-        await mirror.stop()
+        await follower.stop()
         await client.aclose()
         proc.join(10)
     if not lags_ms:
@@ -513,7 +340,7 @@ async def _index_lag(redis_url: str, args) -> dict[str, object]:
             "index_lag_transitions_per_s": round(written["transitions"] / written["elapsed_s"]),
             "index_lag_target_per_s": args.lag_rate,
             "index_lag_batches": written["batches"], "index_lag_batches_applied": written["statuses"].get("APPLIED", 0),
-            "index_lag_behind_at_end": behind, "index_bootstraps_during_lag": mirror.bootstraps - 1}
+            "index_lag_behind_at_end": behind, "index_bootstraps_during_lag": follower.bootstraps - 1}
 
 
 # --- several router replicas -----------------------------------------------------------------
@@ -525,9 +352,11 @@ def _replica(redis_url: str, conversations: list[list[int]], requests: list[int]
 
         from kvtier.router.core import Router, RouterSettings
         from kvtier.router.metrics import RouterMetrics
+        from kvtier.router.settings import StateSource
 
         client = redis_async_client(redis_url)
-        router = Router(client, RouterSettings(state_source="mirror"), RouterMetrics(), rng=random.Random(name))
+        router = Router(client, RouterSettings(state_source=StateSource.INDEX), RouterMetrics(),
+                        rng=random.Random(name))
         try:
             await _wait_index_ready(router, conversations[0])
             for _ in range(20):
@@ -558,7 +387,7 @@ def _replica(redis_url: str, conversations: list[list[int]], requests: list[int]
     uvloop.run(main())
 
 
-def _replicas(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, object]:
+def _replicas(state: ConversationState, redis_url: str, requests: list[int], args) -> dict[str, object]:
     """`args.replicas` router processes, each with its own index, deciding concurrently for
     `args.replica_seconds` against the same Redis."""
     n = args.replicas
@@ -591,9 +420,10 @@ def _replicas(state: BenchState, redis_url: str, requests: list[int], args) -> d
 
 def run_route_bench(args) -> int:
     rng = random.Random(args.seed)
-    state = BenchState(args, rng)
+    state = ConversationState(rng, args.page_size, args.request_pages, args.conversations, args.workers,
+                              args.conversations_per_worker, args.noise_pages)
     requests = [rng.randrange(args.conversations) for _ in range(args.decisions)]
-    results: dict[str, object] = {
+    results: dict[str, Any] = {
         "workers": args.workers, "request_pages": args.request_pages, "page_size": args.page_size,
         "decisions": args.decisions,
     }
@@ -605,14 +435,14 @@ def run_route_bench(args) -> int:
     keep: dict = {}
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
-        entries = state.seed(client, rng, MooncakeLayout() if args.shared_pool else None)
+        entries = state.seed(client, MODEL, rng, MooncakeLayout() if args.shared_pool else None)
         results["page_tier_entries"] = entries
         say(f"seeded {args.workers} workers, {entries:,} page-tier entries")
-        both = uvloop.run(_in_process(state, server.url, requests, args.concurrency, sources=("mirror", "redis"),
+        both = uvloop.run(_in_process(state, server.url, requests, args.concurrency, sources=("index", "redis"),
                                       keep=keep))
-        plain, walked = both["mirror"], both["redis"]
+        plain, walked = both["index"], both["redis"]
         results.update(plain)
-        say(f"in-process, index (mirror): p50 {plain['p50_ms']} ms, p99 {plain['p99_ms']} ms, "
+        say(f"in-process, index: p50 {plain['p50_ms']} ms, p99 {plain['p99_ms']} ms, "
             f"{plain['decisions_per_s']} decisions/s, Redis CPU {plain['redis_cpu_us_per_decision']} us/decision "
             f"(hashing p50 {plain['hashing_p50_ms']} ms; {plain['index_not_ready_decisions']} measured decisions "
             f"not from the index)")
@@ -668,7 +498,7 @@ def _at_scale(args, results: dict, say) -> None:
         if args.scale_entries:
             client = redis.Redis.from_url(server.url)
             started = time.perf_counter()
-            _seed_scale(client, holdings, args.page_size)
+            seed_holdings(client, SCALE_MODEL, holdings, args.page_size)
             client.close()
             del holdings
             say(f"seeded {SCALE_MODEL} in {time.perf_counter() - started:.1f}s")
@@ -686,7 +516,7 @@ def _at_scale(args, results: dict, say) -> None:
                 f"{lag['index_lag_entries']} entries (stream ids: ms resolution)")
 
 
-def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
+def _with_shared_pool(state: ConversationState, redis_url: str, requests: list[int], args) -> dict[str, float]:
     from kvtier.harness.mooncake import MooncakeMaster, SharedPoolWriter, in_private_netns
 
     if not in_private_netns():
@@ -710,7 +540,7 @@ def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], ar
                 pool = SharedPoolClient(master.http_url, timeout_s=0.5)
                 try:
                     return (await _in_process(state, redis_url, requests, args.concurrency,
-                                              shared_pool=pool))["mirror"]
+                                              shared_pool=pool))["index"]
                 finally:
                     await pool.close()
 
@@ -722,25 +552,6 @@ def _with_shared_pool(state: BenchState, redis_url: str, requests: list[int], ar
     print(f"with shared pool: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, "
           f"{result['decisions_per_s']} decisions/s", file=sys.stderr)
     return {"p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"], "decisions_per_s": result["decisions_per_s"]}
-
-
-def _wait_http(base: str, alive, tail, deadline_s: float = 80.0, index_of: str | None = None) -> None:
-    """Until `base`/healthz answers (and, for a router reading an index, the index of model
-    token `index_of` is ready)."""
-    import urllib.request
-
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            health = json.loads(urllib.request.urlopen(base + "/healthz", timeout=1).read())
-            if index_of is None or health.get("state_source") != "mirror" or any(
-                    i["model"] == index_of and i["ready"] for i in health.get("indexes", [])):
-                return
-        except OSError:
-            pass
-        if not alive() or time.monotonic() > deadline:
-            raise SystemExit(f"{base} did not come up: {tail()}")
-        time.sleep(0.05)
 
 
 async def _http_load(base: str, bodies: list[tuple[str, bytes]], concurrency: int) -> tuple[float, list[float]]:
@@ -766,36 +577,26 @@ async def _http_load(base: str, bodies: list[tuple[str, bytes]], concurrency: in
         return time.perf_counter() - start, latencies
 
 
-def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> dict[str, float]:
+def _http_rate(state: ConversationState, redis_url: str, requests: list[int], args) -> dict[str, float]:
     """Decisions/s through a `kvtier router` process over loopback HTTP (booked, then released),
     and the same client against a bare aiohttp + msgspec server of the same bodies
-    (kvtier/bench/bare_http.py): the router's rate as a fraction of what its HTTP stack can
+    (kvtier/testing/bare_http.py): the router's rate as a fraction of what its HTTP stack can
     carry. They take turns (router, bare, bare, router), so a drifting machine weighs on both."""
-    import subprocess
     import tempfile
 
-    from kvtier.harness.embedded import free_port
-    from kvtier.testing.processes import KvtierSubprocess
+    from kvtier.testing.processes import QUIET, start_bare_http, start_router, wait_http, wait_index_ready
 
-    port, bare_port, multi_port = free_port(), free_port(), free_port()
-
-    def router(http_port: int, *extra: str) -> KvtierSubprocess:
-        return KvtierSubprocess(["router", "--redis", redis_url, "--http-port", str(http_port), "--log-level",
-                                 "WARNING", *extra], tempfile.mkdtemp(prefix="kvtier-bench-route-"), "router")
-
-    proc = router(port)
-    multi = router(multi_port, "--processes", str(args.http_processes)) if args.http_processes > 1 else None
-    bare = subprocess.Popen([sys.executable, "-m", "kvtier.bench.bare_http", "--port", str(bare_port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    targets = {"router": f"http://127.0.0.1:{port}", "bare": f"http://127.0.0.1:{bare_port}"}
+    logs = tempfile.mkdtemp(prefix="kvtier-bench-route-")
+    proc, router_url = start_router(logs, "router", redis_url, QUIET)
+    bare, bare_url = start_bare_http(logs)
+    procs = [proc, bare]
+    targets = {"router": router_url, "bare": bare_url}
+    if args.http_processes > 1:
+        multi, targets["processes"] = start_router(logs, "router-processes", redis_url,
+                                                   [*QUIET, "--processes", str(args.http_processes)])
+        procs.append(multi)
     token = ModelKeys.for_model(MODEL).model_token
     try:
-        _wait_http(targets["router"], lambda: proc.proc.poll() is None, proc.tail, index_of=token)
-        _wait_http(targets["bare"], lambda: bare.poll() is None, lambda: "the bare server exited")
-        if multi is not None:
-            targets["processes"] = f"http://127.0.0.1:{multi_port}"
-            _wait_http(targets["processes"], lambda: multi.proc.poll() is None, multi.tail, index_of=token)
-
         def bodies(tag: str) -> list[tuple[str, bytes]]:
             return [(f"{tag}-{i}", msgspec.json.encode(RouteRequest(model=MODEL, token_ids=state.conversations[c],
                                                                     request_id=f"{tag}-{i}")))
@@ -805,6 +606,13 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
         order += order[::-1]  # each in turn, then back: a drifting machine weighs on all alike
 
         async def rounds():
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                await wait_http(session, targets["bare"] + "/healthz", procs, timeout=80, interval=0.05)
+                for name in ("router", "processes"):
+                    if name in targets:
+                        await wait_index_ready(session, targets[name], token, procs)
             spent: dict[str, list] = {name: [0.0, []] for name in targets}
             for k, name in enumerate(order):
                 elapsed, latencies = await _http_load(targets[name], bodies(f"h{k}"), args.http_concurrency)
@@ -831,18 +639,15 @@ def _http_rate(state: BenchState, redis_url: str, requests: list[int], args) -> 
               "of it)", file=sys.stderr)
         return result
     finally:
-        proc.stop()
-        if multi is not None:
-            multi.stop()
-        bare.terminate()
-        bare.wait(10)
+        for p in procs:
+            p.stop()
 
 
 def _print_table(results: dict) -> None:
     def both(key: str) -> str:
         return f"{results[key]}  |  {results['redis_' + key]}" if "redis_" + key in results else f"{results[key]}"
 
-    rows = [("in-process, state source:", "mirror  |  redis"),
+    rows = [("in-process, state source:", "index  |  redis"),
             ("decision p50 (ms)", both("p50_ms")),
             ("decision p99 (ms)", both("p99_ms")),
             ("decisions/s (concurrent)", both("decisions_per_s")),

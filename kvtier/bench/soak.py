@@ -1,18 +1,18 @@
 """`kvtier bench soak`: does memory track live pages, and come back down?
 
-The whole stack as processes on embedded loopback servers (nats-server with JetStream, a
-Redis-protocol server): `--sim-workers` `kvtier sim-worker` processes of `--ranks` simulated
-HiCache ranks each, one `kvtier bridge --dp-size <ranks>` per sim-worker, one `kvtier
-processor`, `--routers` `kvtier router` replicas. A looping request stream, shaped by the
-Mooncake trace sample (its prompts, lengths and prefix sharing; fresh token ids on every loop
-over the sample, so pages keep being created and evicted), is routed (`POST /v1/route`), served
-by the chosen rank (`POST /w/<r>/generate`) and released (`first_token` when served, `complete`
-after a simulated decode), at `--rate` requests/s. First `--warm-up-s` of that load, not
-measured (the processes' bounded caches fill: the processor's hash-check cache needs ~190k
-fresh pages to reach its final size), a lease left to expire and every rank flushed, so that
-Redis's one-time costs (each script's first run) are paid; Redis's baseline is taken then,
-with no page stored. Then five phases, each judged on its second half (the first is the
-transition):
+The whole stack as processes on embedded loopback servers (kvtier/testing/soak_stack.py;
+nats-server with JetStream, a Redis-protocol server): `--sim-workers` `kvtier sim-worker`
+processes of `--ranks` simulated HiCache ranks each, one `kvtier bridge --dp-size <ranks>` per
+sim-worker, one `kvtier processor`, `--routers` `kvtier router` replicas. A looping request
+stream, shaped by the Mooncake trace sample (its prompts, lengths and prefix sharing; fresh
+token ids on every loop over the sample, so pages keep being created and evicted), is routed
+(`POST /v1/route`), served by the chosen rank (`POST /w/<r>/generate`) and released
+(`first_token` when served, `complete` after a simulated decode), at `--rate` requests/s. First
+`--warm-up-s` of that load, not measured (the processes' bounded caches fill: the processor's
+hash-check cache needs ~190k fresh pages to reach its final size), a lease left to expire and
+every rank flushed, so that Redis's one-time costs (each script's first run) are paid; Redis's
+baseline is taken then, with no page stored. Then five phases, each judged on its second half
+(the first is the transition):
 
   steady  trace load on every worker; the pools fill and churn
   evict   every rank flushes its pools (`POST /flush_cache`: AllBlocksCleared, as SGLang's
@@ -22,44 +22,40 @@ transition):
           leases run out and the processor removes their pages; the survivors keep the load
   tail    a short steady tail on the survivors
 
-Every `--sample-s` seconds it records the RSS (VmRSS of /proc/<pid>/status) of every process,
-Redis `used_memory` (the change feed's memory apart: bounded by its length, not by the live
-pages, it is left out of the per-entry figures) and `INFO keyspace`, the live (page, tier) entries summed from every
-worker's state hash (n1/n2/n4/n8), live workers, pending bookings (`kvt:{m}:bookings` zcard),
-the JetStream streams' bytes and oldest-message age (the monitoring endpoint's /jsz), and
-decisions/s, and the CPU each process used. Then `judge` gives the verdicts (see there): Redis
-bytes per live entry within a band; Redis memory falling with the pages on the flush and on
-the deaths; processor, router and surviving bridge RSS flat (window medians and least-squares
-slope); bookings bounded and all given back after the drain; the dead workers' pages, leases
-and load gone; Redis keys not growing; JetStream held by its retention; the load sustained.
+Every `--sample-s` seconds it records (kvtier/testing/samplers.py `StackSampler`) the RSS
+(VmRSS of /proc/<pid>/status) of every process, Redis `used_memory` (the change feed's memory
+apart: bounded by its length, not by the live pages, it is left out of the per-entry figures)
+and `INFO keyspace`, the live (page, tier) entries summed from every worker's state hash
+(n1/n2/n4/n8), live workers, pending bookings (`kvt:{m}:bookings` zcard), the JetStream
+streams' bytes and oldest-message age (the monitoring endpoint's /jsz), and decisions/s, and
+the CPU each process used. Then `judge` gives the verdicts (see there): Redis bytes per live
+entry within a band; Redis memory falling with the pages on the flush and on the deaths;
+processor, router and surviving bridge RSS flat (window medians and least-squares slope);
+bookings bounded and all given back after the drain; the dead workers' pages, leases and load
+gone; Redis keys not growing; JetStream held by its retention; the load sustained.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
-import hashlib
 import json
 import math
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from kvtier.eval.trace import SAMPLE_TRACE, TraceRequest, load_trace
-from kvtier.schemas.jetstream import decode_jsz
+from kvtier.eval.trace import SAMPLE_TRACE, load_trace, trace_prompt
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.sim import SimGenerateBody
 from kvtier.testing import clients
-from kvtier.testing.nats_monitor import streams_of
-from kvtier.testing.processes import KvtierSubprocess, rss_mb, wait_http
+from kvtier.testing.samplers import StackSampler, after_drain, redis_state
+from kvtier.testing.soak_stack import SoakStack
+from kvtier.tools import plots
 
 MODEL = "soak"
-TRACE_BLOCK_TOKENS = 512
 #: (phase, share of the run). The die phase must outlast a lease (checked in SoakConfig).
 PHASES: tuple[tuple[str, float], ...] = (("steady", 0.40), ("evict", 0.12), ("refill", 0.14), ("die", 0.16),
                                          ("tail", 0.18))
@@ -154,109 +150,23 @@ class SoakConfig:
         return bounds
 
 
-# --- request stream --------------------------------------------------------------------------
-def _block_tokens(hash_id: int, salt: int) -> array.array:
-    """512 token ids (< 65536) for one trace block in one loop over the trace: equal within a
-    loop (prefix sharing kept), fresh in the next."""
-    seed = hash_id.to_bytes(8, "little", signed=True) + salt.to_bytes(8, "little", signed=True)
-    return array.array("H", hashlib.shake_128(seed).digest(2 * TRACE_BLOCK_TOKENS))
-
-
-def trace_prompt(request: TraceRequest, salt: int, max_tokens: int) -> list[int]:
-    length = min(request.input_length, max_tokens)
-    tokens = array.array("H")
-    for hash_id in request.hash_ids:
-        if len(tokens) >= length:
-            break
-        tokens.extend(_block_tokens(hash_id, salt))
-    return tokens[:length].tolist()
-
-
-
-
-# --- sampling --------------------------------------------------------------------------------
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def jetstream_streams(monitor_port: int) -> dict[str, dict]:
-    """name -> {bytes, messages, age_s} from nats-server's /jsz."""
-    url = f"http://127.0.0.1:{monitor_port}/jsz?streams=true"
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return streams_of(decode_jsz(response.read()), time.time())
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def redis_state(client, model: str) -> dict:
-    """Redis memory, key counts, live entries per tier (state hashes), leases and bookings."""
-    from kvtier.schemas.state_keys import ModelKeys
-
-    keys = ModelKeys.for_model(model)
-    memory = client.info("memory")
-    keyspace = client.info("keyspace").get("db0", {})
-    workers = sorted(_text(w) for w in client.smembers(keys.workers))
-    pipe = client.pipeline(transaction=False)
-    for worker in workers:
-        pipe.hmget(keys.state(worker), "n1", "n2", "n4", "n8")
-    pipe.zcount(keys.leases, int(time.time() * 1000), "+inf")
-    pipe.zcard(keys.bookings)
-    pipe.hlen(keys.prefill_load)
-    pipe.hlen(keys.decode_load)
-    replies = pipe.execute()
-    per_worker = {}
-    for worker, counts in zip(workers, replies):
-        per_worker[worker] = [int(c or 0) for c in counts]
-    live, bookings, prefill_fields, decode_fields = replies[len(workers):]
-    # The change feed is bounded by its length (--changes-maxlen), not by the live pages: its
-    # memory is measured apart (every node: SAMPLES 0) and left out of the per-entry figures.
-    feed = client.memory_usage(keys.changes, samples=0) or 0
-    return {"used_memory": int(memory["used_memory"]), "feed_bytes": int(feed),
-            "used_memory_dataset": int(memory.get("used_memory_dataset", 0)),
-            "mem_clients": int(memory.get("mem_clients_normal", 0)),
-            "used_memory_scripts": int(memory.get("used_memory_scripts", memory.get("used_memory_scripts_eval", 0))),
-            "keys": int(keyspace.get("keys", 0)),
-            "expires": int(keyspace.get("expires", 0)), "per_worker": per_worker, "live_workers": int(live),
-            "bookings": int(bookings), "load_fields": int(prefill_fields) + int(decode_fields)}
-
-
-def _key_kind(key: str) -> str:
-    """A key with its worker id and request id left out: kvt:{m}:w:*:state, kvt:{m}:bk:*, ..."""
-    parts = key.split(":")
-    if len(parts) >= 4 and parts[2] == "w":
-        parts[3] = "*"
-    elif len(parts) >= 4 and parts[2] == "bk":
-        parts[3:] = ["*"]
-    return ":".join(parts)
-
-
 # --- the verdicts ----------------------------------------------------------------------------
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 
-def least_squares(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+def least_squares(points: list[tuple[float, float | None]]) -> tuple[float, float] | None:
     """(slope, intercept) of y = a t + b fitted to the points; None with fewer than 3."""
-    points = [(t, y) for t, y in points if y is not None]
-    if len(points) < 3:
+    known = [(t, y) for t, y in points if y is not None]
+    if len(known) < 3:
         return None
-    mt = statistics.fmean(t for t, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    var = sum((t - mt) ** 2 for t, _ in points)
+    mt = statistics.fmean(t for t, _ in known)
+    my = statistics.fmean(y for _, y in known)
+    var = sum((t - mt) ** 2 for t, _ in known)
     if var == 0:
         return None
-    slope = sum((t - mt) * (y - my) for t, y in points) / var
+    slope = sum((t - mt) * (y - my) for t, y in known) / var
     return slope, my - slope * mt
 
 
@@ -531,15 +441,11 @@ def format_verdicts(verdicts: list[dict]) -> str:
 
 
 def write_plot(samples: list[dict], phases, baseline_used_memory: int, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """The run's series against time, phase by phase, as a PNG; False without matplotlib."""
+    if not plots.available():
         return False
     t = [s["t"] / 60 for s in samples]
-    fig, axes = plt.subplots(6, 1, figsize=(11, 15), sharex=True)
+    fig, axes = plots.figure(6, 1, (11, 15), sharex=True)
 
     def shade(ax):
         for i, (name, start, end) in enumerate(phases):
@@ -547,49 +453,46 @@ def write_plot(samples: list[dict], phases, baseline_used_memory: int, path: str
             if ax is axes[0]:
                 ax.text((start + end) / 120, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
 
+    def series(keys) -> list[tuple[str, list]]:
+        return [(label, [s.get(key) for s in samples]) for key, label in keys]
+
     ax = axes[0]
-    for key, label in (("entries_n1", "device"), ("entries_n2", "host"), ("entries", "all")):
-        ax.plot(t, [s.get(key) for s in samples], label=label)
+    plots.lines(ax, t, series((("entries_n1", "device"), ("entries_n2", "host"), ("entries", "all"))))
     ax.set_ylabel("live (page, tier)\nentries")
     ax2 = ax.twinx()
-    ax2.step(t, [s.get("live_workers") for s in samples], color="#888888", where="post", label="live workers")
+    ax2.step(t, [s.get("live_workers") for s in samples], color=plots.GREY, where="post", label="live workers")
     ax2.set_ylabel("live workers")
     ax.legend(loc="upper right", fontsize=8)
     ax = axes[1]
-    ax.plot(t, [s["used_memory"] / 2**20 for s in samples], label="used_memory", color="#C44E52")
-    ax.plot(t, [s["redis_mem"] / 2**20 for s in samples], label="less client buffers", color="#DD8452")
-    ax.axhline(baseline_used_memory / 2**20, color="#DD8452", linestyle=":", label="baseline")
+    ax.plot(t, [s["used_memory"] / 2**20 for s in samples], label="used_memory", color=plots.RED)
+    ax.plot(t, [s["redis_mem"] / 2**20 for s in samples], label="less client buffers", color=plots.ORANGE)
+    ax.axhline(baseline_used_memory / 2**20, color=plots.ORANGE, linestyle=":", label="baseline")
     ax.set_ylabel("Redis MB")
     ax2 = ax.twinx()
     ax2.plot(t, [(s["redis_mem"] - baseline_used_memory) / s["entries"] if s["entries"] > 1000 else None
-                 for s in samples], color="#55A868", label="net B/entry")
+                 for s in samples], color=plots.GREEN, label="net B/entry")
     ax2.set_ylabel("net bytes / entry")
     ax.legend(loc="upper left", fontsize=8)
     ax2.legend(loc="upper right", fontsize=8)
     ours = ("rss_processor", "rss_router", "rss_bridge")
     for ax, keys, label in ((axes[2], [k for k in _rss_names(samples) if k.startswith(ours)], "kvtier RSS MB"),
                             (axes[3], [k for k in _rss_names(samples) if not k.startswith(ours)], "others' RSS MB")):
-        for key in keys:
-            ax.plot(t, [s.get(key) for s in samples], label=key[4:].replace("_mb", ""))
+        plots.lines(ax, t, series((key, key[4:].replace("_mb", "")) for key in keys))
         ax.set_ylabel(label)
         ax.legend(loc="upper left", fontsize=7, ncol=5)
     ax = axes[4]
-    ax.plot(t, [s.get("bookings") for s in samples], label="pending bookings")
-    ax.plot(t, [s.get("decisions_per_s") for s in samples], label="decisions/s")
-    ax.plot(t, [s.get("keys") for s in samples], label="Redis keys")
+    plots.lines(ax, t, series((("bookings", "pending bookings"), ("decisions_per_s", "decisions/s"),
+                               ("keys", "Redis keys"))))
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[5]
-    for key in sorted({k for s in samples for k in s if k.startswith("js_") and k.endswith("_mb")}):
-        ax.plot(t, [s.get(key) for s in samples], label=key[3:-3])
+    streams = sorted({k for s in samples for k in s if k.startswith("js_") and k.endswith("_mb")})
+    plots.lines(ax, t, series((key, key[3:-3]) for key in streams))
     ax.set_ylabel("JetStream MB")
     ax.set_xlabel("minutes")
     ax.legend(loc="upper left", fontsize=8)
     for ax in axes:
         shade(ax)
-    fig.suptitle("kvtier bench soak: memory against live pages")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    plots.save(fig, path, dpi=90, title="kvtier bench soak: memory against live pages")
     return True
 
 
@@ -607,11 +510,11 @@ class _Stats:
 class Soak:
     def __init__(self, cfg: SoakConfig, log_dir: str, progress=None):
         self.cfg = cfg
-        self.log_dir = log_dir
         self.progress = progress or (lambda text: None)
-        self.procs: dict[str, KvtierSubprocess] = {}
-        self.sims: list[dict] = []  # {"name", "url", "alive", "worker_prefix"}
-        self.routers: list[str] = []
+        self.stack = SoakStack(log_dir, MODEL, cfg.sim_workers, cfg.ranks, cfg.routers, cfg.page_size,
+                               cfg.device_pages, cfg.host_pages, cfg.heartbeat_s, cfg.lease_ttl_s,
+                               cfg.stream_max_age_s)
+        self.routers = self.stack.router_urls
         self.samples: list[dict] = []
         self.stats = _Stats()
         self.mode = "trace"
@@ -619,149 +522,12 @@ class Soak:
         self.dead_workers: list[str] = []  # killed
         self.dying_workers: set[str] = set()  # to be killed in the die phase
         self.baseline_used_memory = 0
-        self._killed: set[str] = set()
-        self._cpu_prev: dict[str, tuple[float | None, float]] = {}
         self._redis_pid: int | None = None
 
-    # -- processes --
-    def _start(self, name: str, args: list[str]) -> KvtierSubprocess:
-        proc = KvtierSubprocess(args, self.log_dir, name)
-        self.procs[name] = proc
-        return proc
-
     def start_stack(self, nats_url: str, redis_url: str) -> None:
-        from kvtier.harness.embedded import free_port
-        from kvtier.sim.sim_worker import free_port_block
-
-        cfg = self.cfg
-        common = ["--log-level", "WARNING"]
-        stream = ["--stream-max-age", str(cfg.stream_max_age_s)]
-        self._start("processor", ["processor", "--nats", nats_url, "--redis", redis_url, "--reap-interval", "1",
-                                  *stream, *common])
-        for i in range(cfg.sim_workers):
-            name = chr(ord("a") + i)
-            zmq = free_port_block(cfg.ranks)
-            replay = free_port_block(cfg.ranks)
-            http = free_port()
-            self._start(f"sim_{name}", [
-                "sim-worker", "--ranks", str(cfg.ranks), "--port", str(zmq), "--replay-port", str(replay),
-                "--http-port", str(http), "--page-size", str(cfg.page_size), "--device-pages", str(cfg.device_pages),
-                "--host-pages", str(cfg.host_pages), *common])
-            self._start(f"bridge_{name}", [
-                "bridge", "--endpoint", f"tcp://127.0.0.1:{zmq}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
-                "--worker-id", f"soak-{name}", "--model", MODEL, "--page-size", str(cfg.page_size),
-                "--dp-size", str(cfg.ranks), "--nats", nats_url, "--heartbeat", str(cfg.heartbeat_s),
-                "--lease-ttl", str(cfg.lease_ttl_s), "--hicache", "on", *stream, *common])
-            prefix = f"soak-{name}" + ("-dp" if cfg.ranks > 1 else "")
-            self.sims.append({"name": name, "url": f"http://127.0.0.1:{http}", "alive": True, "prefix": prefix})
-            if i >= cfg.sim_workers - cfg.die:
-                self.dying_workers.update(self.worker_ids(self.sims[-1]))
-        for r in range(cfg.routers):
-            port = free_port()
-            self._start(f"router{r}", ["router", "--redis", redis_url, "--nats", nats_url, "--http-port", str(port),
-                                       "--router-id", f"soak-{r}", *common])
-            self.routers.append(f"http://127.0.0.1:{port}")
-
-    def worker_ids(self, sim: dict) -> list[str]:
-        if self.cfg.ranks == 1:
-            return [sim["prefix"]]
-        return [f"{sim['prefix']}{r}" for r in range(self.cfg.ranks)]
-
-    def _sim_of(self, worker_id: str) -> tuple[dict, int]:
-        for sim in self.sims:
-            if self.cfg.ranks == 1 and worker_id == sim["prefix"]:
-                return sim, 0
-            if self.cfg.ranks > 1 and worker_id.startswith(sim["prefix"]):
-                return sim, int(worker_id[len(sim["prefix"]):])
-        raise KeyError(worker_id)
-
-    def stop_all(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            try:
-                proc.stop()
-            except Exception:  # noqa: BLE001 - stop the others regardless
-                pass
-
-    # -- sampling --
-    def sample(self, t: float, phase: str, client, nats_monitor: int, servers: dict[str, int | None],
-               decisions: int, interval: float) -> dict:
-        state = redis_state(client, MODEL)
-        s: dict = {"t": round(t, 2), "phase": phase}
-        pids = {name: proc.live_pid for name, proc in self.procs.items()} | servers
-        for name, pid in pids.items():
-            s[f"rss_{name}_mb"] = rss_mb(pid)
-        for name, pid in pids.items():  # cores used since the previous sample
-            used, (before, at) = cpu_seconds(pid), self._cpu_prev.get(name, (None, None))
-            s[f"cpu_{name}"] = round((used - before) / (t - at), 3) if None not in (used, before) and t > at else None
-            self._cpu_prev[name] = (used, t)
-        for key in ("used_memory", "used_memory_dataset", "mem_clients", "used_memory_scripts"):
-            s[key] = state[key]
-        s["redis_mem"] = state["used_memory"] - state["mem_clients"] - state["feed_bytes"]
-        s["feed_mb"] = round(state["feed_bytes"] / 2**20, 3)
-        s["keys"] = state["keys"]
-        s["expires"] = state["expires"]
-        totals = [0, 0, 0, 0]
-        dead_entries = 0
-        for worker, counts in state["per_worker"].items():
-            totals = [a + b for a, b in zip(totals, counts)]
-            if worker in self.dying_workers:
-                dead_entries += sum(counts)
-        for bit, total in zip((1, 2, 4, 8), totals):
-            s[f"entries_n{bit}"] = total
-        s["entries"] = sum(totals)
-        s["dead_entries"] = dead_entries
-        s["live_workers"] = state["live_workers"]
-        s["bookings"] = state["bookings"]
-        try:
-            for stream, info in jetstream_streams(nats_monitor).items():
-                s[f"js_{stream}_mb"] = round(info["bytes"] / 2**20, 3)
-                s[f"js_{stream}_age_s"] = info["age_s"]
-        except OSError:
-            pass
-        s["decisions_per_s"] = round(decisions / interval, 2) if interval > 0 else None
-        return s
-
-    def end_checks(self, client) -> dict:
-        """After the drain: bookings and booked load given back; what dead workers left."""
-        from kvtier.schemas.state_keys import ModelKeys
-
-        keys = ModelKeys.for_model(MODEL)
-        state = redis_state(client, MODEL)
-        booking_keys = sum(1 for _ in client.scan_iter(match=f"{keys.base}:bk:*", count=1000))
-        dead = {}
-        leases = {_text(w) for w in client.zrange(keys.leases, 0, -1)}
-        prefill = {_text(k) for k in client.hkeys(keys.prefill_load)}
-        decode = {_text(k) for k in client.hkeys(keys.decode_load)}
-        for worker in self.dead_workers:
-            lingering = []
-            if client.exists(keys.meta(worker)) and client.ttl(keys.meta(worker)) == -1:
-                lingering.append("meta key")
-            if client.sismember(keys.workers, worker):
-                lingering.append("workers member")
-            if client.hexists(keys.page_sizes, worker):
-                lingering.append("page_size field")
-            if client.hexists(keys.hash_check, worker):
-                lingering.append("hash_check field")
-            if client.sismember(keys.stale_workers, worker):
-                lingering.append("stale member")
-            dead[worker] = {
-                "pages_key": bool(client.exists(keys.pages(worker))),
-                "lease": worker in leases,
-                "entries": sum(state["per_worker"].get(worker, [0])),
-                "state_ttl": client.ttl(keys.state(worker)),
-                "meta_ttl": client.ttl(keys.meta(worker)),
-                "load": worker in prefill or worker in decode,
-                "lingering": lingering,
-            }
-        key_memory: dict[str, list[int]] = {}  # key kind -> [keys, bytes]
-        for key in client.scan_iter(count=1000):
-            kind = _key_kind(_text(key))
-            entry = key_memory.setdefault(kind, [0, 0])
-            entry[0] += 1
-            entry[1] += int(client.memory_usage(key, samples=0) or 0)
-        return {"bookings": state["bookings"], "load_fields": state["load_fields"], "booking_keys": booking_keys,
-                "key_memory": key_memory,
-                "keys": state["keys"], "used_memory": state["used_memory"], "dead_workers": dead}
+        self.stack.start(nats_url, redis_url)
+        for sim in self.stack.sims[self.cfg.sim_workers - self.cfg.die:]:
+            self.dying_workers.update(self.stack.worker_ids(sim))
 
     # -- load --
     async def _one(self, index: int) -> None:
@@ -782,15 +548,15 @@ class Soak:
                 model=MODEL, token_ids=tokens, request_id=request_id, max_new_tokens=out_len))
             stats.decisions_since += 1
             booked = True
-            sim, rank = self._sim_of(decision.worker_id)
-            if not sim["alive"]:
+            sim, rank = self.stack.sim_of(decision.worker_id)
+            if not sim.alive:
                 stats.routed_to_dead += 1
                 if self.kill_t is not None and self.now() > self.kill_t + cfg.lease_ttl_s + 3:
                     stats.routed_to_dead_late += 1
                 stats.requests += 1
                 await self._release_later(router, request_id, 0)
                 return
-            await clients.generate(session, f"{sim['url']}/w/{rank}",
+            await clients.generate(session, f"{sim.url}/w/{rank}",
                                    SimGenerateBody(input_ids=tokens, now=self.sim_now()))
             await clients.release(session, router, MODEL, request_id, ReleaseStage.FIRST_TOKEN)
             stats.requests += 1
@@ -800,7 +566,7 @@ class Soak:
             task.add_done_callback(self.pending.discard)
         except Exception as exc:  # noqa: BLE001 - counted and shown
             stats.requests += 1
-            if sim is not None and not sim["alive"]:
+            if sim is not None and not sim.alive:
                 stats.routed_to_dead += 1  # its worker died under it
             else:
                 self._error(repr(exc))
@@ -840,12 +606,7 @@ class Soak:
     async def _ticker(self, stop: asyncio.Event) -> None:
         # device->host copies land in simulated time even on ranks no request reaches
         while not stop.is_set():
-            for sim in self.sims:
-                if sim["alive"]:
-                    try:
-                        await clients.advance(self.session, sim["url"], self.sim_now())
-                    except Exception:  # noqa: BLE001 - best effort
-                        pass
+            await self.stack.advance(self.session, self.sim_now())
             await asyncio.sleep(0.1)
 
     def now(self) -> float:
@@ -855,19 +616,6 @@ class Soak:
     def sim_now(self) -> float:
         """The simulated clock: seconds since the warm-up started."""
         return asyncio.get_running_loop().time() - self.clock0
-
-    async def _wait_up(self, client) -> None:
-        total_ranks = self.cfg.sim_workers * self.cfg.ranks
-        deadline = time.monotonic() + 90
-        for url in [s["url"] + "/healthz" for s in self.sims] + [r + "/healthz" for r in self.routers]:
-            await wait_http(self.session, url, self.procs.values(), timeout=max(0.0, deadline - time.monotonic()),
-                            interval=0.2)
-        while redis_state(client, MODEL)["live_workers"] < total_ranks:
-            for proc in self.procs.values():
-                proc.check()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the {total_ranks} simulated workers did not announce within 90s")
-            await asyncio.sleep(0.2)
 
     async def run(self, nats_server, redis_url: str) -> dict:
         import aiohttp
@@ -888,7 +636,7 @@ class Soak:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as session:
             self.session = session
             self.clock0 = self.t0 = loop.time()
-            await self._wait_up(client)
+            await self.stack.wait_up(session, client)
             if cfg.warm_up_s > 0:
                 self.progress(f"warm-up: {cfg.warm_up_s:g}s of trace load (not measured)")
                 stop = asyncio.Event()
@@ -900,21 +648,22 @@ class Soak:
                     await asyncio.wait(set(self.pending), timeout=cfg.max_hold_s + 30)
             await self._settle(client)
             self.stats = stats = _Stats()  # the warm-up is not counted
-            self.progress(f"stack up ({len(self.procs)} processes); Redis baseline "
+            self.progress(f"stack up ({len(self.stack.procs)} processes); Redis baseline "
                           f"{self.baseline_used_memory / 2**20:.2f} MB")
 
             self.t0 = loop.time()
             phases = cfg.phase_bounds()
             state = {"phase": phases[0][0]}
             stop = asyncio.Event()
+            observer = StackSampler(client, MODEL, nats_server.monitor_port, self.dying_workers)
 
             async def sampler():
                 last_t = self.now()
                 while True:
                     t = self.now()
                     decisions, stats.decisions_since = stats.decisions_since, 0
-                    sample = await asyncio.to_thread(self.sample, t, state["phase"], client, nats_server.monitor_port,
-                                                     servers, decisions, t - last_t)
+                    sample = await asyncio.to_thread(observer.sample, t, state["phase"], self.stack.pids() | servers,
+                                                     decisions, t - last_t)
                     last_t = t
                     self.samples.append(sample)
                     if stop.is_set():
@@ -936,9 +685,7 @@ class Soak:
                         for task in tasks:
                             if task.done():
                                 task.result()  # surface a crash of the driver itself
-                        for pname, proc in self.procs.items():
-                            if pname not in self._killed:
-                                proc.check()
+                        self.stack.check_alive()
                         await asyncio.sleep(min(1.0, max(0.0, end - self.now())))
                 load_s = self.now()
                 stop.set()
@@ -951,9 +698,9 @@ class Soak:
             if self.pending:
                 await asyncio.wait(set(self.pending), timeout=cfg.max_hold_s + 30)
         await asyncio.sleep(0.5)
-        end = self.end_checks(client)
+        drained = after_drain(client, MODEL, self.dead_workers)
         client.close()
-        return {"phases": phases, "load_s": load_s, "end": end}
+        return {"phases": phases, "load_s": load_s, "end": drained}
 
     async def _settle(self, client) -> None:
         """Take the baseline: pay Redis's one-time costs, flush every rank, measure."""
@@ -981,8 +728,8 @@ class Soak:
             decision = await clients.route(session, router, RouteRequest(model=MODEL, token_ids=tokens,
                                                                           request_id=f"warm-{i}"),
                                            "warm-up route failed")
-            sim, rank = self._sim_of(decision.worker_id)
-            await clients.post(session, f"{sim['url']}/w/{rank}/generate",
+            sim, rank = self.stack.sim_of(decision.worker_id)
+            await clients.post(session, f"{sim.url}/w/{rank}/generate",
                                SimGenerateBody(input_ids=tokens, now=self.sim_now()))
             for stage in (ReleaseStage.FIRST_TOKEN, ReleaseStage.COMPLETE):
                 await clients.release(session, router, MODEL, f"warm-{i}", stage)
@@ -999,9 +746,7 @@ class Soak:
                 raise RuntimeError("the processor did not expire the warm-up worker's lease within 20s")
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
-        for sim in self.sims:
-            async with session.post(sim["url"] + "/flush_cache") as r:
-                await r.read()
+        await self.stack.flush(session)
         deadline = time.monotonic() + 30
         while any(sum(c) for c in redis_state(client, MODEL)["per_worker"].values()):
             if time.monotonic() > deadline:
@@ -1020,18 +765,11 @@ class Soak:
             self.mode = "trace"
         elif name == "evict":
             self.mode = "small"
-            for sim in self.sims:
-                async with session.post(sim["url"] + "/flush_cache") as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"{sim['url']}/flush_cache: {r.status} {await r.text()}")
+            await self.stack.flush(session)
         elif name == "die":
             self.mode = "trace"
-            for sim in self.sims[cfg.sim_workers - cfg.die:]:
-                sim["alive"] = False
-                for pname in (f"bridge_{sim['name']}", f"sim_{sim['name']}"):
-                    self.procs[pname].kill()
-                    self._killed.add(pname)
-                self.dead_workers += self.worker_ids(sim)
+            for sim in self.stack.sims[cfg.sim_workers - cfg.die:]:
+                self.dead_workers += self.stack.kill(sim)
             self.kill_t = now()
 
 
@@ -1044,7 +782,6 @@ def run_soak(cfg: SoakConfig, progress=None) -> dict:
     with NatsServer() as nats_server, RedisServer() as redis_server:
         soak._redis_pid = redis_server.pid
         try:
-            asyncio.run(_precreate_decisions(nats_server.url, cfg.stream_max_age_s))
             soak.start_stack(nats_server.url, redis_server.url)
             try:
                 import uvloop
@@ -1053,7 +790,7 @@ def run_soak(cfg: SoakConfig, progress=None) -> dict:
             except ImportError:
                 result = asyncio.run(soak.run(nats_server, redis_server.url))
         finally:
-            soak.stop_all()
+            soak.stack.stop()
     phases = result["phases"]
     meta = {"rate": cfg.rate, "requests": soak.stats.requests, "errors": soak.stats.errors,
             "routed_to_dead": soak.stats.routed_to_dead, "routed_to_dead_late": soak.stats.routed_to_dead_late,
@@ -1062,7 +799,7 @@ def run_soak(cfg: SoakConfig, progress=None) -> dict:
             "max_hold_s": cfg.max_hold_s, "max_inflight": cfg.max_inflight,
             "survivors": [k for k in _rss_names(soak.samples)
                           if k.startswith(("rss_processor", "rss_router", "rss_bridge"))
-                          and not any(k == f"rss_{p}_mb" for p in soak._killed)]}
+                          and not any(k == f"rss_{p}_mb" for p in soak.stack.killed)]}
     verdicts = judge(soak.samples, phases, soak.baseline_used_memory, meta, cfg.thresholds)
     cfg_dict = asdict(cfg)
     cfg_dict.pop("thresholds")
@@ -1079,19 +816,6 @@ def run_soak(cfg: SoakConfig, progress=None) -> dict:
         "series": soak.samples, "seconds": round(time.monotonic() - started, 1), "logs": log_dir,
         "_phase_bounds": phases,
     }
-
-
-async def _precreate_decisions(nats_url: str, max_age_s: float) -> None:
-    """The routers' decision log with the soak's retention (routers keep an existing stream)."""
-    import nats
-
-    from kvtier.plumbing.streams import ensure_decisions_stream
-
-    nc = await nats.connect(nats_url)
-    try:
-        await ensure_decisions_stream(nc.jetstream(), max_age_s=max_age_s)
-    finally:
-        await nc.close()
 
 
 def run_soak_bench(args) -> int:

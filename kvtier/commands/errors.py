@@ -11,9 +11,10 @@ def user_facing(exc: BaseException) -> str | None:
     from kvtier.harness.embedded import MissingServerBinary, ServerStartError
     from kvtier.harness.mooncake import MooncakeError
     from kvtier.plumbing.streams import StreamMismatch
+    from kvtier.plumbing.tokenizer import TokenizerError
 
     if isinstance(exc, (MissingServerBinary, ServerStartError, StreamMismatch, StreamReadError, DynamoMissing,
-                        MooncakeError, ValueError)):
+                        MooncakeError, TokenizerError, ValueError)):
         return str(exc)
     try:
         import redis

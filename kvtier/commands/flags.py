@@ -1,7 +1,8 @@
 """What every `kvtier` subcommand shares: the parser class that reads KVTIER_<FLAG> from the
-environment, argument types, the common flags (logging, metrics, credentials and TLS), the
-stream flags, the trace/cluster flags of demo, tune and bench replay, and running an async
-main until a signal."""
+environment, argument types, the flags of a settings class and the settings from them
+(`add_flags`, `read_settings`: kvtier/plumbing/settings.py), the common flags (logging,
+metrics, credentials and TLS), the trace/cluster flags of demo, tune and bench replay, and
+running an async main until a signal."""
 
 from __future__ import annotations
 
@@ -9,21 +10,24 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 
 from kvtier.plumbing.log_limit import limit_log_rate
-from kvtier.plumbing.streams import DEFAULT_PARTITIONS, StreamSettings
+from kvtier.plumbing.settings import SECRET_FLAG
+from kvtier.plumbing.settings import add_flags as add_flags
+from kvtier.plumbing.settings import non_negative_float as non_negative_float
+from kvtier.plumbing.settings import non_negative_int as non_negative_int
+from kvtier.plumbing.settings import partition_list as partition_list
+from kvtier.plumbing.settings import positive_float as positive_float
+from kvtier.plumbing.settings import positive_int as positive_int
+from kvtier.plumbing.settings import read_settings as read_settings
+from kvtier.plumbing.settings import worker_id_text as worker_id_text
 from kvtier.sim.cost_model import add_cost_model_arguments
 
 
 def env_name(flag: str) -> str:
     return "KVTIER_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-#: Flags whose values are secrets: --help never shows their value (nor one from the environment).
-_SECRET_FLAG = re.compile(r"(password|token|api-key)$")
 
 
 class HideSecretDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -61,7 +65,7 @@ class EnvDefaults(argparse.ArgumentParser):
                     kwargs["default"] = None
                 kwargs["required"] = False
         action = super().add_argument(*names, **kwargs)
-        if flag and _SECRET_FLAG.search(flag):
+        if flag and SECRET_FLAG.search(flag):  # --help shows no value of it, nor one from the environment
             action.kvtier_secret = True
         return action
 
@@ -81,66 +85,13 @@ def _env_value(raw: str, kwargs: dict):
         if raw.lower() in _FALSE:
             return False
         raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+    if kwargs.get("action") == "append":  # a repeatable flag: its values comma-separated, each read alone
+        return [_env_value(part.strip(), {**kwargs, "action": None}) for part in raw.split(",") if part.strip()]
     value = kwargs["type"](raw) if "type" in kwargs else raw
     choices = kwargs.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"invalid choice (choose from {', '.join(map(str, choices))})")
     return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def worker_id_text(text: str) -> str:
-    import re
-
-    if not re.fullmatch(r"[A-Za-z0-9_\-]{1,128}", text):
-        raise argparse.ArgumentTypeError(
-            f"worker id {text!r} must be 1-128 characters of letters, digits, '_' or '-' "
-            "(it becomes a NATS subject token and part of Redis keys)")
-    return text
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def partition_list(text: str) -> list[int] | str | None:
-    if text in ("", "all"):
-        return None
-    if text == "auto":
-        return "auto"
-    parts: list[int] = []
-    for piece in text.split(","):
-        if "-" in piece:
-            lo, hi = piece.split("-", 1)
-            parts.extend(range(int(lo), int(hi) + 1))
-        else:
-            parts.append(int(piece))
-    if any(p < 0 for p in parts):
-        raise argparse.ArgumentTypeError("partitions are non-negative integers")
-    return sorted(set(parts))
 
 
 def url_list(text: str) -> list[str]:
@@ -208,33 +159,6 @@ def configure_connections(args) -> None:
     except ValueError as exc:
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def add_stream_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stream-partitions", type=positive_int, default=None,
-                   help=f"Partitions of the events stream when this process creates it (default "
-                        f"{DEFAULT_PARTITIONS}). If the stream exists with another count, giving this flag is an "
-                        "error.")
-    p.add_argument("--stream-max-age", type=positive_float, default=None,
-                   help="Keep events this many seconds in the stream: how far back `kvtier replay` reaches "
-                        "(default 86400 when creating it). Given explicitly, an existing stream is updated to it.")
-    p.add_argument("--stream-max-bytes", type=int, default=None,
-                   help="Cap the events stream's size in bytes, oldest dropped first (default -1: no cap, when "
-                        "creating it). Given explicitly, an existing stream is updated to it.")
-    p.add_argument("--stream-replicas", type=positive_int, default=1,
-                   help="JetStream replicas of the streams (1 for a single server, 3 for a cluster).")
-
-
-def stream_settings(args) -> tuple[StreamSettings, bool]:
-    defaults = StreamSettings()
-    return StreamSettings(
-        partitions=args.stream_partitions or DEFAULT_PARTITIONS,
-        max_age_s=args.stream_max_age if args.stream_max_age is not None else defaults.max_age_s,
-        max_bytes=args.stream_max_bytes if args.stream_max_bytes is not None else defaults.max_bytes,
-        replicas=args.stream_replicas,
-        retention_explicit=args.stream_max_age is not None or args.stream_max_bytes is not None,
-    ), args.stream_partitions is not None
-
 
 
 def add_cluster_arguments(p) -> None:

@@ -34,6 +34,7 @@ from kvtier.eval.replay import ReplaySettings, add_gap_closed, build_report, sha
 from kvtier.eval.report import best_kvtier, format_breakdown, format_table, progress_bar, verdict
 from kvtier.eval.trace import load_trace, prepare
 from kvtier.sim.sim_cluster import ClusterShape
+from kvtier.tools import plots
 
 MIN_FREE_MEMORY = 2 << 30
 DEMO_TRACE = "synthetic:1"
@@ -115,47 +116,37 @@ def format_sweep(points: list[dict]) -> str:
 
 
 def write_demo_plot(report: dict, sweep: list[dict], path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """The demo's figure as a PNG: reuse and TTFT per policy, then across the sweep of host
+    pool sizes; False without matplotlib."""
+    if not plots.available():
         return False
+    fig, ((reuse_ax, ttft_ax), (sweep_ttft, sweep_reuse)) = plots.figure(2, 2, (13, 9))
     policies = report["policies"]
     names = [n for n in policies if n != "oracle"]
     oracle = policies["oracle"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    (reuse_ax, ttft_ax), (sweep_ttft, sweep_reuse) = axes
-    colours = ["#4C72B0" if n not in KVTIER_POLICIES else "#55A868" for n in names]
-    reuse_ax.bar(names, [policies[n]["reused_pct"] for n in names], color=colours)
-    reuse_ax.axhline(oracle["reused_pct"], color="#DD8452", label="oracle")
-    reuse_ax.axhline(report["bounds"]["infinite"]["reused_pct"], color="#C44E52", linestyle="--",
-                     label="infinite cache")
-    reuse_ax.axhline(report["bounds"]["pooled_lru"]["reused_pct"], color="#C44E52", linestyle=":",
-                     label="pooled LRU (whole cluster)")
-    reuse_ax.set_ylabel("prompt tokens reused (%)")
-    reuse_ax.set_title("reuse (blue: baselines, green: kvtier)")
-    reuse_ax.legend(fontsize=8)
-    ttft_ax.bar(names, [policies[n]["ttft_p50_ms"] for n in names], color=colours)
-    ttft_ax.axhline(oracle["ttft_p50_ms"], color="#DD8452", label="oracle p50")
-    ttft_ax.set_ylabel("simulated TTFT p50 (ms)")
-    ttft_ax.set_title("time to first token")
-    ttft_ax.legend(fontsize=8)
-    for ax in (reuse_ax, ttft_ax):
-        ax.tick_params(axis="x", rotation=30)
+    colours = [plots.BLUE if n not in KVTIER_POLICIES else plots.GREEN for n in names]
+    plots.bar_chart(reuse_ax, names, [policies[n]["reused_pct"] for n in names], colours, [
+        (oracle["reused_pct"], plots.ORANGE, "-", "oracle"),
+        (report["bounds"]["infinite"]["reused_pct"], plots.RED, "--", "infinite cache"),
+        (report["bounds"]["pooled_lru"]["reused_pct"], plots.RED, ":", "pooled LRU (whole cluster)")],
+        ylabel="prompt tokens reused (%)", title="reuse (blue: baselines, green: kvtier)")
+    plots.bar_chart(ttft_ax, names, [policies[n]["ttft_p50_ms"] for n in names], colours,
+                    [(oracle["ttft_p50_ms"], plots.ORANGE, "-", "oracle p50")],
+                    ylabel="simulated TTFT p50 (ms)", title="time to first token")
     for l3, style in ((True, "-"), (False, "--")):
         pts = [p for p in sweep if p["l3"] == l3]
         ratios = [p["host_ratio"] for p in pts]
         label = "L3" if l3 else "no L3"
-        for who, colour in (("round_robin", "#4C72B0"), ("best", "#55A868"), ("oracle", "#DD8452")):
-            key = (lambda p: p["best"]) if who == "best" else (lambda p, w=who: w)
+        for who, colour in (("round_robin", plots.BLUE), ("best", plots.GREEN), ("oracle", plots.ORANGE)):
+            def policy_of(p: dict, who: str = who) -> str:
+                return p["best"] if who == "best" else who
+
             title = {"round_robin": "round robin", "best": "kvtier", "oracle": "oracle"}[who]
-            sweep_ttft.plot(ratios, [p["policies"][key(p)]["ttft_p50_ms"] for p in pts], style, color=colour,
+            sweep_ttft.plot(ratios, [p["policies"][policy_of(p)]["ttft_p50_ms"] for p in pts], style, color=colour,
                             marker="o", label=f"{title}, {label}")
-            sweep_reuse.plot(ratios, [p["policies"][key(p)]["reused_pct"] for p in pts], style, color=colour,
+            sweep_reuse.plot(ratios, [p["policies"][policy_of(p)]["reused_pct"] for p in pts], style, color=colour,
                              marker="o", label=f"{title}, {label}")
-        sweep_reuse.plot(ratios, [p["bounds"]["pooled_lru"]["reused_pct"] for p in pts], style, color="#C44E52",
+        sweep_reuse.plot(ratios, [p["bounds"]["pooled_lru"]["reused_pct"] for p in pts], style, color=plots.RED,
                          alpha=0.5, label=f"pooled LRU, {label}")
     sweep_ttft.set_xlabel("host pool / device pool")
     sweep_ttft.set_ylabel("TTFT p50 (ms)")
@@ -165,10 +156,7 @@ def write_demo_plot(report: dict, sweep: list[dict], path: str) -> bool:
     sweep_reuse.set_title("... and reuse")
     sweep_ttft.legend(fontsize=7)
     sweep_reuse.legend(fontsize=7)
-    fig.suptitle("kvtier demo: lockstep replay on a simulated SGLang HiCache cluster")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plots.save(fig, path, dpi=100, title="kvtier demo: lockstep replay on a simulated SGLang HiCache cluster")
     return True
 
 

@@ -22,7 +22,9 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvtier.eval.policies import CandidateView, Decision, worker_id
 from kvtier.eval.trace import PreparedRequest
@@ -31,7 +33,14 @@ from kvtier.schemas.routing import ReleaseStage, RouteOverrides, RouteRequest
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.sim.sim_cluster import SimCluster
 from kvtier.testing import clients
-from kvtier.testing.processes import KvtierSubprocess, wait_http
+from kvtier.testing.processes import QUIET, KvtierSubprocess, start_bridge, start_processor, start_router, wait_http
+
+if TYPE_CHECKING:
+    import aiohttp
+    from aiohttp import web
+
+    from kvtier.harness.embedded import NatsServer, RedisServer
+    from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 #: How long the driver waits for the pipeline to apply a batch before calling it broken.
 CATCH_UP_TIMEOUT_S = 60.0
@@ -59,7 +68,7 @@ class PipelinePolicy:
     needs_tokens = True
 
     def __init__(self, name: str, stack: PipelineStack, workers: int, page_size: int, visibility_lag_s: float,
-                 seed: int, router_args: list[str] = (), overrides: dict | None = None, shared: bool = False,
+                 seed: int, router_args: Sequence[str] = (), overrides: dict | None = None, shared: bool = False,
                  replicas: int = 2):
         self.name = name
         self.model = f"replay-{name}"
@@ -73,11 +82,11 @@ class PipelinePolicy:
         self.shared = shared
         self.replicas = replicas
         self.procs: list[KvtierSubprocess] = []
-        self.publishers = []
+        self.publishers: list[SglangEventPublisher] = []
         self.routers: list[str] = []
-        self.session = None
-        self.redis = None
-        self._pool_runner = None
+        self._session: aiohttp.ClientSession | None = None
+        self._redis: Any = None  # redis_async_client's: a redis.asyncio Redis or RedisCluster
+        self._pool_runner: web.AppRunner | None = None
         self._releases: list[_Release] = []
         self._seq = itertools.count()
         self._published = [-1] * workers  # last engine seq published per rank
@@ -98,37 +107,34 @@ class PipelinePolicy:
                                                 f"tcp://127.0.0.1:{replay_base + r}", attn_dp_rank=r)
                            for r in range(self.workers)]
         log_dir = self.stack.log_dir
-        router_args = ["--redis", self.stack.redis_url, "--nats", self.stack.nats_url, "--log-level", "WARNING",
-                       "--booking-ttl", "86400", "--state-timeout-ms", "30000", *self.router_args]
+        router_args = ["--nats", self.stack.nats_url, *QUIET, "--booking-ttl", "86400", "--state-timeout-ms", "30000",
+                       *self.router_args]
         if self.shared:
             app = web.Application()
             async def query(request):
                 return pool_query_response(cluster.pool, request)
 
             app.router.add_get("/batch_query_keys", query)
-            self._pool_runner = web.AppRunner(app, access_log=None)
-            await self._pool_runner.setup()
+            self._pool_runner = runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
             pool_port = free_port()
-            await web.TCPSite(self._pool_runner, "127.0.0.1", pool_port).start()
+            await web.TCPSite(runner, "127.0.0.1", pool_port).start()
             router_args += ["--shared-cache-type", "hicache", "--mooncake-master", f"http://127.0.0.1:{pool_port}",
                             "--shared-cache-timeout-ms", "30000"]
-        self.procs.append(KvtierSubprocess(
-            ["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
-             f"tcp://127.0.0.1:{replay_base}", "--worker-id", "sim", "--model", self.model, "--page-size",
-             str(self.page_size), "--dp-size", str(self.workers), "--nats", self.stack.nats_url,
-             "--hicache-storage-backend", "mooncake", "--heartbeat", "1", "--log-level", "WARNING"],
-            log_dir, f"{self.name}-bridge"))
+        self.procs.append(start_bridge(
+            log_dir, f"{self.name}-bridge", (f"tcp://127.0.0.1:{zmq_base}", f"tcp://127.0.0.1:{replay_base}"), "sim",
+            self.model, self.page_size, self.stack.nats_url,
+            ["--dp-size", str(self.workers), "--hicache-storage-backend", "mooncake", "--heartbeat", "1", *QUIET]))
         for r in range(self.replicas):
-            port = free_port()
-            self.procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{self.name}-{r}",
-                                                "--seed", str(self.seed + r), *router_args],
-                                               log_dir, f"{self.name}-router{r}"))
-            self.routers.append(f"http://127.0.0.1:{port}")
+            router, url = start_router(log_dir, f"{self.name}-router{r}", self.stack.redis_url,
+                                       ["--router-id", f"{self.name}-{r}", "--seed", str(self.seed + r), *router_args])
+            self.procs.append(router)
+            self.routers.append(url)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=120, sock_read=120)
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout)
         for url in self.routers:
             await wait_http(self.session, url + "/healthz", self.procs, timeout=60)
-        self.redis = redis_async_client(self.stack.redis_url)
+        self._redis = redis_async_client(self.stack.redis_url)
         keys = ModelKeys.for_model(self.model)
         deadline = time.monotonic() + 60
         # Every worker announced and the model's state ready (a first model in a fresh store is
@@ -150,7 +156,7 @@ class PipelinePolicy:
         for url in self.routers:
             async with self.session.get(url + "/healthz") as response:
                 health = decode_router_health(await response.read())
-            if health.state_source == "mirror" and not any(i.model == keys.model_token and i.ready
+            if health.reads_index and not any(i.model == keys.model_token and i.ready
                                                            for i in health.indexes):
                 return False
         return True
@@ -160,12 +166,24 @@ class PipelinePolicy:
             p.stop()
         for publisher in self.publishers:
             publisher.close()
-        if self.session is not None:
-            await self.session.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+        if self._session is not None:
+            await self._session.close()
+        if self._redis is not None:
+            await self._redis.aclose()
         if self._pool_runner is not None:
             await self._pool_runner.cleanup()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(f"{self.name}: not started")
+        return self._session
+
+    @property
+    def redis(self) -> Any:
+        if self._redis is None:
+            raise RuntimeError(f"{self.name}: not started")
+        return self._redis
 
     def _check(self) -> None:
         for p in self.procs:
@@ -238,7 +256,7 @@ class running_stack:
 
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
-        self._servers = []
+        self._servers: list[NatsServer | RedisServer] = []
         self._processor: KvtierSubprocess | None = None
 
     def __enter__(self) -> PipelineStack:
@@ -249,9 +267,8 @@ class running_stack:
             self._servers.append(nats_server.__enter__())
             redis_server = RedisServer()
             self._servers.append(redis_server.__enter__())
-            self._processor = KvtierSubprocess(["processor", "--nats", nats_server.url, "--redis", redis_server.url,
-                                                "--partitions", "auto", "--log-level", "WARNING"],
-                                               self.log_dir, "processor")
+            self._processor = start_processor(self.log_dir, nats_server.url, redis_server.url,
+                                              ["--partitions", "auto", *QUIET])
         except BaseException:
             self.__exit__(None, None, None)
             raise

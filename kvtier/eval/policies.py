@@ -23,10 +23,11 @@ from typing import Protocol
 
 from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
+from kvtier.router.walk import walk as tier_walk
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
-from kvtier.schemas.tiers import Tier, tier_of_medium
+from kvtier.schemas.tiers import tier_of_medium
 from kvtier.sim.hicache_sim import ServeResult
 from kvtier.sim.sim_cluster import RankTruth, SimCluster
 
@@ -168,28 +169,10 @@ class TierView:
 
     def walk(self, hashes: list[BlockHash], predicted: dict[BlockHash, int] | None = None
              ) -> tuple[int, int, int, int]:
-        """(device, host, disk, predicted) as router/read_overlap.lua walks them: the prefix
-        on device or predicted (each page counted where it is found, device first), then
-        host, then disk."""
-        device = guess = 0
-        position, n = 0, len(hashes)
-        bit = Tier.DEVICE.bit
-        while position < n:
-            h = hashes[position]
-            if self.pages.get(h, 0) & bit:
-                device += 1
-            elif predicted and h in predicted:
-                guess += 1
-            else:
-                break
-            position += 1
-        counts = [0, 0]
-        for slot, tier in enumerate((Tier.HOST, Tier.DISK)):
-            bit = tier.bit
-            while position < n and self.pages.get(hashes[position], 0) & bit:
-                counts[slot] += 1
-                position += 1
-        return device, counts[0], counts[1], guess
+        """(device, host, disk, predicted): router/walk.py's walk over this rank's pages, the
+        spec that read_overlap.lua and the router's index are checked against."""
+        overlap = tier_walk(hashes, self.pages, predicted or ())
+        return overlap.device, overlap.host, overlap.disk, overlap.predicted
 
 
 @dataclass(order=True)
@@ -234,7 +217,7 @@ class RouterModel:
             r = heapq.heappop(self._releases)
             self.prefill[r.rank] -= r.prefill
             self.decode[r.rank] -= r.decode
-            if r.predicted:
+            if r.predicted and self.predicted is not None:  # only booked with predicted pages on
                 held = self.predicted[r.rank]
                 for h in r.predicted:
                     if held[h] == 1:

@@ -24,7 +24,15 @@ from kvtier.schemas.sim import SimGenerateBody
 from kvtier.sim.cost_model import COST_FLAGS
 from kvtier.sim.sim_cluster import ClusterShape
 from kvtier.testing import clients
-from kvtier.testing.processes import KvtierSubprocess, wait_announced, wait_http
+from kvtier.testing.processes import (
+    QUIET,
+    KvtierSubprocess,
+    start_bridge,
+    start_router,
+    start_sim_worker,
+    wait_announced,
+    wait_http,
+)
 
 ROUTED = {"least_load", "device_only", "tier_aware", "tier_aware_shared"}
 
@@ -109,45 +117,35 @@ async def run_policy(policy: str, requests: list[TraceRequest], shape: ClusterSh
     import aiohttp
     import redis as redis_sync
 
-    from kvtier.harness.embedded import free_port
-    from kvtier.sim.sim_worker import free_port_block
-
     model = f"replay-{policy}"
-    zmq_base = free_port_block(shape.workers)
-    replay_base = free_port_block(shape.workers)
-    sim_http = free_port()
     procs: list[KvtierSubprocess] = []
     result = PolicyResult(policy)
     rng = random.Random(seed)
     try:
-        sim_args = ["sim-worker", "--ranks", str(shape.workers), "--port", str(zmq_base), "--replay-port",
-                    str(replay_base), "--http-port", str(sim_http), "--page-size", str(shape.page_size),
-                    "--device-pages", str(shape.device_pages), "--host-pages", str(shape.host_pages),
-                    "--write-policy", shape.write_policy, "--dma-delay-ms", str(shape.dma_delay_s * 1000),
-                    *cost_flags(shape), "--log-level", "WARNING"]
+        sim_flags = ["--device-pages", str(shape.device_pages), "--host-pages", str(shape.host_pages),
+                     "--write-policy", shape.write_policy, "--dma-delay-ms", str(shape.dma_delay_s * 1000),
+                     *cost_flags(shape), *QUIET]
         if shape.l3:
-            sim_args += ["--l3", "--l3-pages", str(shape.l3_capacity)]
-        procs.append(KvtierSubprocess(sim_args, log_dir, f"{policy}-sim-worker"))
-        sim_url = f"http://127.0.0.1:{sim_http}"
+            sim_flags += ["--l3", "--l3-pages", str(shape.l3_capacity)]
+        sim, ports = start_sim_worker(log_dir, f"{policy}-sim-worker", shape.page_size, sim_flags, ranks=shape.workers)
+        procs.append(sim)
+        sim_url = ports.url
         routers: list[str] = []
         if policy in ROUTED:
-            procs.append(KvtierSubprocess(["bridge", "--endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint",
-                                f"tcp://127.0.0.1:{replay_base}", "--worker-id", "sim", "--model", model,
-                                "--page-size", str(shape.page_size), "--dp-size", str(shape.workers), "--nats",
-                                nats_url, "--hicache-storage-backend", "mooncake", "--heartbeat", "1",
-                                "--log-level", "WARNING"], log_dir, f"{policy}-bridge"))
-            router_args = ["--redis", redis_url, "--nats", nats_url, "--log-level", "WARNING"]
+            procs.append(start_bridge(log_dir, f"{policy}-bridge", ports.endpoints(), "sim", model, shape.page_size,
+                                      nats_url, ["--dp-size", str(shape.workers), "--hicache-storage-backend",
+                                                 "mooncake", "--heartbeat", "1", *QUIET]))
+            router_flags = ["--nats", nats_url, *QUIET]
             if policy == "least_load":
-                router_args += ["--router-mode", "load"]
+                router_flags += ["--router-mode", "load"]
             if policy == "tier_aware_shared":
-                router_args += ["--shared-cache-type", "hicache", "--mooncake-master", sim_url,
-                                "--shared-cache-timeout-ms", "200"]
+                router_flags += ["--shared-cache-type", "hicache", "--mooncake-master", sim_url,
+                                 "--shared-cache-timeout-ms", "200"]
             for r in range(2):
-                port = free_port()
-                procs.append(KvtierSubprocess(["router", "--http-port", str(port), "--router-id", f"{policy}-{r}",
-                                               *router_args],
-                                              log_dir, f"{policy}-router{r}"))
-                routers.append(f"http://127.0.0.1:{port}")
+                router, url = start_router(log_dir, f"{policy}-router{r}", redis_url,
+                                           ["--router-id", f"{policy}-{r}", *router_flags])
+                procs.append(router)
+                routers.append(url)
         # An overloaded machine makes requests late, not wrong (the simulated clock is the
         # trace's), so waits are generous rather than failures.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=300, sock_read=300)

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import msgspec
 
@@ -178,7 +179,7 @@ def _gap(rr: dict | None, oracle: dict | None, policy: dict, key: str) -> float 
 def median_of(summaries: list[dict]) -> dict:
     """Field by field median of several seeds' summaries (numbers; nested dicts alike)."""
     first = summaries[0]
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in first.items():
         values = [s[key] for s in summaries]
         if isinstance(value, bool) or value is None or isinstance(value, str):

@@ -9,6 +9,7 @@ import time
 
 from kvtier.eval.lockstep import REASONS
 from kvtier.eval.policies import KVTIER_POLICIES
+from kvtier.tools import plots
 
 
 def best_kvtier(policies: dict[str, dict]) -> str | None:
@@ -88,36 +89,28 @@ def format_breakdown(report: dict) -> str:
 
 
 def write_plot(report: dict, path: str, title: str = "") -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Reuse and TTFT p50 per policy beside the oracle and the bounds, as a PNG; False without
+    matplotlib."""
+    if not plots.available():
         return False
+    fig, (left, right) = plots.figure(1, 2, (12, 4.8))
     policies = report["policies"]
     names = [n for n in policies if n != "oracle"]
     oracle = policies.get("oracle")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    left.bar(names, [policies[n]["reused_pct"] for n in names], color="#4C72B0")
-    if oracle:
-        left.axhline(oracle["reused_pct"], color="#DD8452", linestyle="-", label="oracle")
-    for name, style in (("infinite", "--"), ("pooled_lru", ":")):
-        left.axhline(report["bounds"][name]["reused_pct"], color="#C44E52", linestyle=style,
-                     label="infinite cache" if name == "infinite" else "pooled LRU (whole cluster's memory)")
-    left.set_ylabel("prompt tokens reused (%)")
-    left.legend(fontsize=8)
-    right.bar(names, [policies[n]["ttft_p50_ms"] for n in names], color="#55A868", label="p50")
-    if oracle:
-        right.axhline(oracle["ttft_p50_ms"], color="#DD8452", linestyle="-", label="oracle p50")
-    right.set_ylabel("simulated TTFT p50 (ms)")
-    right.legend(fontsize=8)
-    for axis in (left, right):
-        axis.tick_params(axis="x", rotation=30)
-    fig.suptitle(title or "kvtier: routing policies on a simulated HiCache cluster (lockstep replay)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    def oracle_line(metric: str, label: str) -> list[plots.Reference]:
+        return [(oracle[metric], plots.ORANGE, "-", label)] if oracle else []
+
+    bounds: list[plots.Reference] = [
+        (report["bounds"][name]["reused_pct"], plots.RED, style,
+         "infinite cache" if name == "infinite" else "pooled LRU (whole cluster's memory)")
+        for name, style in (("infinite", "--"), ("pooled_lru", ":"))]
+    plots.bar_chart(left, names, [policies[n]["reused_pct"] for n in names], plots.BLUE,
+                    [*oracle_line("reused_pct", "oracle"), *bounds], ylabel="prompt tokens reused (%)")
+    plots.bar_chart(right, names, [policies[n]["ttft_p50_ms"] for n in names], plots.GREEN,
+                    oracle_line("ttft_p50_ms", "oracle p50"), ylabel="simulated TTFT p50 (ms)", label="p50")
+    plots.save(fig, path, dpi=110,
+               title=title or "kvtier: routing policies on a simulated HiCache cluster (lockstep replay)")
     return True
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvtier.eval.trace_record import TRACE_BLOCK_TOKENS, TraceRequest  # noqa: F401 - TRACE_BLOCK_TOKENS re-exported
+from kvtier.eval.trace_record import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.schemas.hashes import PageDigest, sglang_page_digests
 
 #: Traces shipped inside the package (kvtier/data/README.md says where they come from).
@@ -88,6 +88,24 @@ def token_array(request: TraceRequest) -> array.array:
 
 def trace_tokens(request: TraceRequest) -> list[int]:
     return token_array(request).tolist()
+
+
+def _salted_block_tokens(hash_id: int, salt: int) -> array.array:
+    seed = hash_id.to_bytes(8, "little", signed=True) + salt.to_bytes(8, "little", signed=True)
+    return array.array("H", hashlib.shake_128(seed).digest(2 * TRACE_BLOCK_TOKENS))
+
+
+def trace_prompt(request: TraceRequest, salt: int, max_tokens: int) -> list[int]:
+    """The request's token ids (< 65536) in one loop over a looping trace (`salt`: the loop),
+    cut to `max_tokens`: equal blocks within a loop (prefix sharing kept), fresh in the next,
+    so a long run keeps creating and evicting pages."""
+    length = min(request.input_length, max_tokens)
+    tokens = array.array("H")
+    for hash_id in request.hash_ids:
+        if len(tokens) >= length:
+            break
+        tokens.extend(_salted_block_tokens(hash_id, salt))
+    return tokens[:length].tolist()
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """How a bench talks to the kvtier processes it starts (routers, sim-workers): every body it
-sends is encoded from a schemas/ type, every answer it reads is decoded into one."""
+sends is encoded from a schemas/ type, every answer it reads is decoded into one; a router's
+/healthz decoded, its /metrics summed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvtier.schemas.router_health import RouterHealth, decode_router_health
 from kvtier.schemas.routing import (
     ReleaseRequest,
     ReleaseStage,
@@ -88,3 +90,19 @@ async def closed_loop_rate(session, targets: list[str], path: str, body: Callabl
     started = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(concurrency)))
     return done / (time.perf_counter() - started)
+
+
+async def router_health(session, router: str) -> RouterHealth | None:
+    """`GET /healthz` of a router, decoded; None when it does not answer (a replica gone)."""
+    try:
+        async with session.get(router + "/healthz", timeout=2) as r:
+            return decode_router_health(await r.read())
+    except Exception:  # noqa: BLE001 - a replica that is gone has no health
+        return None
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of one metric's samples in a Prometheus text page, of those with `labels`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if (line.startswith(name + " ") or line.startswith(name + "{"))
+               and all(f'{key}="{value}"' in line for key, value in labels.items()))

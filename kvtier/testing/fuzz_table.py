@@ -199,7 +199,7 @@ def _bridge_forwards(batch: DecodedBatch) -> None:
         expect(sum(encoded_size_bound(e) for e in chunk) <= budget, "chunk over budget")
         expect(sum(len(getattr(e, "hashes", ())) for e in chunk) <= max_pages, "chunk over the page limit")
         decoded = decode_message(encoded)  # must not raise: the processor would dead-letter good events
-        expect(decoded.events == chunk, "events changed on the wire")
+        expect(isinstance(decoded, EventBatch) and decoded.events == chunk, "events changed on the wire")
         split += chunk
     if pages <= 50_000:
         expect(tier_state(split) == tier_state(converted.events), "splitting changed the state")
@@ -250,10 +250,11 @@ def _processor_derives(message) -> None:
 
 
 def _mooncake_keys_bounded(meta) -> None:
+    from kvtier.schemas.hashes import PageDigest
     from kvtier.schemas.mooncake import mooncake_object_keys
 
     if meta.mooncake is not None:
-        keys = mooncake_object_keys(bytes(32), meta.mooncake)
+        keys = mooncake_object_keys(PageDigest(bytes(32)), meta.mooncake)
         expect(0 < len(keys) <= 4096, f"{len(keys)} objects per page")
 
 

@@ -126,7 +126,7 @@ def _nats_publish_raw(port: int, subject: bytes, data: bytes) -> None:
             raise RuntimeError(f"nats-server refused the raw publish: {reply!r}")
 
 
-def _worker_pages(client, model: str, worker: str) -> dict[int, set[Tier]]:
+def _worker_pages(client, model: str, worker: str) -> dict[BlockHash, set[Tier]]:
     from kvtier.consumers.apply import read_worker_pages
 
     return read_worker_pages(client, model, worker)
@@ -163,7 +163,7 @@ class BridgeStack:
             self.close()
             raise
 
-    def state(self) -> dict[int, set[Tier]]:
+    def state(self) -> dict[BlockHash, set[Tier]]:
         return _worker_pages(self.client, self.MODEL, self.WORKER)
 
     def send(self, items: list) -> tuple[dict[int, set[Tier]], int]:
@@ -262,7 +262,7 @@ class ProcessorStack:
         finally:
             await nc.close()
 
-    def state(self) -> dict[int, set[Tier]]:
+    def state(self) -> dict[BlockHash, set[Tier]]:
         return _worker_pages(self.client, self.MODEL, self.WORKER)
 
     def good_batch(self, events: list[TierEvent]) -> EventBatch:

@@ -159,12 +159,12 @@ def as_builtins_msgpack(message) -> Any:
     """The message as lists and maps, stored events' token ids kept raw (whatever they hold)."""
     if not isinstance(message, EventBatch):
         return msgspec.msgpack.decode(encode_message(message))
-    stored = [i for i, e in enumerate(message.events) if isinstance(e, PagesStored)]
+    stored = {i: e for i, e in enumerate(message.events) if isinstance(e, PagesStored)}
     events = [msgspec.structs.replace(e, token_ids=EMPTY_TOKENS) if i in stored else e
               for i, e in enumerate(message.events)]
     obj = msgspec.msgpack.decode(encode_message(msgspec.structs.replace(message, events=events)))
-    for i in stored:  # ["stored", tier, hashes, parent, page_size, token_ids, lora_id, namespace]
-        obj["events"][i][5] = message.events[i].token_ids
+    for i, event in stored.items():  # ["stored", tier, hashes, parent, page_size, token_ids, lora_id, namespace]
+        obj["events"][i][5] = event.token_ids
     return obj
 
 

@@ -25,6 +25,7 @@ from kvtier.consumers.analytics_model import HIT_TIERS, TIER_NAMES, TierAnalytic
 from kvtier.consumers.pull import read_stream
 from kvtier.plumbing.timefmt import TimeFormatError, iso, parse_time
 from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM
+from kvtier.tools import plots
 
 MOVE_KINDS = ("stored", "removed", "copy", "promotion", "demotion", "eviction")
 DROP_KINDS = ("cleared", "new_epoch", "gap", "lease_expired")
@@ -228,59 +229,58 @@ def write_summary(summary: dict, path: pathlib.Path, plots: list[str]) -> None:
 
 
 def write_plots(data: ReportData, summary: dict, out: pathlib.Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """The report's PNGs in `out`: resident pages, transitions, lifetimes, decisions; their
+    names ([] without matplotlib)."""
+    if not plots.available():
         return []
-    written = []
     a = data.analytics
     times = [(s.t - data.since) for s in data.snapshots]
     xlabel = f"seconds since {iso(data.since, 'seconds')}"
+    _resident_pages(data, times, xlabel, out / "resident_pages.png")
+    _transitions(a, summary, len(data.snapshots) - 1, xlabel, out / "transitions.png")
+    _lifetimes(a, out / "lifetimes.png")
+    _decisions(a, summary, out / "decisions.png")
+    return ["resident_pages.png", "transitions.png", "lifetimes.png", "decisions.png"]
 
-    # resident pages per tier over time, per worker (total when there are many)
+
+def _resident_pages(data: ReportData, times: list[float], xlabel: str, path: pathlib.Path) -> None:
+    """Resident pages per tier over time, per worker (the total alone when there are many)."""
     tiers = [t for t in TIER_NAMES if any(s.resident.get(k, 0) for s in data.snapshots
                                           for k in s.resident if k[2] == t)] or ["device"]
     keys = sorted({(m, w) for s in data.snapshots for (m, w, _t) in s.resident})
-    fig, axes = plt.subplots(len(tiers), 1, figsize=(10, 2.8 * len(tiers)), sharex=True, squeeze=False)
+    fig, axes = plots.figure(len(tiers), 1, (10, 2.8 * len(tiers)), sharex=True, squeeze=False)
     for axis, tier in zip(axes[:, 0], tiers):
         if len(keys) <= 12:
-            for m, w in keys:
-                axis.plot(times, [s.resident.get((m, w, tier), 0) for s in data.snapshots], label=w, linewidth=1.2)
+            plots.lines(axis, times, [(w, [s.resident.get((m, w, tier), 0) for s in data.snapshots])
+                                      for m, w in keys], linewidth=1.2)
         axis.plot(times, [sum(n for k, n in s.resident.items() if k[2] == tier) for s in data.snapshots],
                   label="total", color="black", linewidth=2, linestyle="--")
         axis.set_ylabel(f"{tier} pages")
         axis.legend(fontsize=7, ncol=4, loc="upper left")
     axes[-1, 0].set_xlabel(xlabel)
-    fig.suptitle("resident pages per tier")
-    fig.tight_layout()
-    fig.savefig(out / "resident_pages.png", dpi=100)
-    plt.close(fig)
-    written.append("resident_pages.png")
+    plots.save(fig, path, title="resident pages per tier")
 
-    # transitions per kind per step, each at the time it happened
-    fig, axis = plt.subplots(figsize=(10, 4))
+
+def _transitions(a: TierAnalytics, summary: dict, steps: int, xlabel: str, path: pathlib.Path) -> None:
+    """Transitions per kind per step, each at the time it happened."""
+    fig, axis = plots.figure()
     kinds = [k for k in MOVE_KINDS + DROP_KINDS if summary["transitions"].get(k)]
-    steps = len(data.snapshots) - 1
     step_s = a.timeline_step
     mids = [(i + 0.5) * step_s for i in range(steps)]
     timeline: Mapping[tuple[int, str], int] = a.timeline or {}  # None only when the analytics kept no timeline
-    for kind in kinds:
-        axis.plot(mids, [timeline.get((i, kind), 0) for i in range(steps)], label=kind, marker=".")
+    plots.lines(axis, mids, [(kind, [timeline.get((i, kind), 0) for i in range(steps)]) for kind in kinds],
+                marker=".")
     axis.set_xlabel(xlabel)
     axis.set_ylabel(f"pages per {step_s:.3g} s")
     axis.set_title("transitions per kind")
     if kinds:
         axis.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    fig.savefig(out / "transitions.png", dpi=100)
-    plt.close(fig)
-    written.append("transitions.png")
+    plots.save(fig, path)
 
-    # lifetime distributions per tier
-    fig, axis = plt.subplots(figsize=(10, 4))
+
+def _lifetimes(a: TierAnalytics, path: pathlib.Path) -> None:
+    """How long pages stayed on each tier, as histograms on log bins."""
+    fig, axis = plots.figure()
     plotted = False
     if a.lifetime_samples:
         import math
@@ -303,26 +303,25 @@ def write_plots(data: ReportData, summary: dict, out: pathlib.Path) -> list[str]
     if plotted:
         axis.legend(fontsize=8)
     else:
-        axis.text(0.5, 0.5, "no page was removed in the window", ha="center", va="center", transform=axis.transAxes)
-    fig.tight_layout()
-    fig.savefig(out / "lifetimes.png", dpi=100)
-    plt.close(fig)
-    written.append("lifetimes.png")
+        plots.note(axis, "no page was removed in the window")
+    plots.save(fig, path)
 
-    # decisions per worker and predicted hit tokens by tier
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+
+def _decisions(a: TierAnalytics, summary: dict, path: pathlib.Path) -> None:
+    """Decisions per worker, and the hit tokens predicted for the chosen worker by tier."""
+    fig, (left, right) = plots.figure(1, 2, (12, 4.2))
     per_worker = summary["decisions_per_worker"]
     if per_worker:
-        left.bar(list(per_worker), list(per_worker.values()), color="#4C72B0")
-        left.tick_params(axis="x", rotation=30)
+        plots.bar_chart(left, list(per_worker), list(per_worker.values()), plots.BLUE, ylabel="decisions",
+                        title="decisions per worker")
     else:
-        left.text(0.5, 0.5, "no decisions in the window", ha="center", va="center", transform=left.transAxes)
-    left.set_ylabel("decisions")
-    left.set_title("decisions per worker")
+        plots.note(left, "no decisions in the window")
+        left.set_ylabel("decisions")
+        left.set_title("decisions per worker")
     workers = sorted({(m, w) for (m, w, _t) in a.hit_tokens} | set(a.decisions))
     bottom = [0] * len(workers)
     labels = [w for _m, w in workers]
-    colors = {"device": "#55A868", "host": "#4C72B0", "disk": "#8172B2", "shared_beyond": "#C44E52"}
+    colors = {"device": plots.GREEN, "host": plots.BLUE, "disk": plots.PURPLE, "shared_beyond": plots.RED}
     for tier in HIT_TIERS:
         values = [a.hit_tokens.get((m, w, tier), 0) for m, w in workers]
         if any(values):
@@ -333,11 +332,7 @@ def write_plots(data: ReportData, summary: dict, out: pathlib.Path) -> list[str]
     right.tick_params(axis="x", rotation=30)
     if any(bottom):
         right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "decisions.png", dpi=100)
-    plt.close(fig)
-    written.append("decisions.png")
-    return written
+    plots.save(fig, path)
 
 
 def run_report(args) -> int:

@@ -526,7 +526,7 @@ def check_dead_letters(nats: NatsView) -> list[Finding]:
 def index_behind(router: RouterView, redis_view: RedisView):
     """(model token, what is wrong) for each of the router's in-memory indexes that is not at
     its model's change feed head as Redis was read (nothing for a router that walks in Redis)."""
-    if not router.reachable or router.error or router.healthz.state_source != "mirror":
+    if not router.reachable or router.error or not router.healthz.reads_index:
         return
     indexes = {i.model: i for i in router.healthz.indexes}
     for model, head in sorted(redis_view.feeds.items()):
@@ -547,7 +547,7 @@ def index_behind(router: RouterView, redis_view: RedisView):
 
 
 def check_router_indexes(redis_view: RedisView, routers: list[RouterView]) -> list[Finding]:
-    """Every replica that reads an in-memory index must be at the feed's head (router/mirror.py)."""
+    """Every replica that reads an in-memory index must be at the feed's head (router/index_feed.py)."""
     if not redis_view.reachable:
         return []
     out = []

@@ -1,4 +1,4 @@
-"""`ModelMirror.stop()` ends its follower even when a cancel is swallowed: before Python 3.12,
+"""`ModelIndex.stop()` ends its follower even when a cancel is swallowed: before Python 3.12,
 asyncio.wait_for (redis-py reads through it) returns the reply instead of raising when the
 cancel lands as the reply arrives, and a router's close() then waited forever (seen in
 `kvtier bench route`)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtier.router.mirror import ModelMirror
+from kvtier.router.index_feed import ModelIndex
 
 
 class _Client:
@@ -17,10 +17,10 @@ class _Client:
 
 def test_stop_ends_a_follower_that_swallowed_a_cancel():
     async def main():
-        mirror = ModelMirror(_Client(), "m")
+        index = ModelIndex(_Client(), "m")
         swallowed = 0
 
-        async def follower():  # as ModelMirror.run when wait_for drops the first cancel
+        async def follower():  # as ModelIndex.run when wait_for drops the first cancel
             nonlocal swallowed
             while True:
                 try:
@@ -30,12 +30,12 @@ def test_stop_ends_a_follower_that_swallowed_a_cancel():
                         raise
                     swallowed += 1
 
-        mirror._task = asyncio.create_task(follower())
+        index._task = asyncio.create_task(follower())
         await asyncio.sleep(0.05)
-        stopping = asyncio.ensure_future(mirror.stop())
+        stopping = asyncio.ensure_future(index.stop())
         done, _ = await asyncio.wait([stopping], timeout=5)  # no cancel of stop() itself on timeout
         assert done, "stop() still waiting for the follower"
         await stopping
-        assert mirror._task is None and swallowed == 1
+        assert index._task is None and swallowed == 1
 
     asyncio.run(main())

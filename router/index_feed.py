@@ -1,4 +1,4 @@
-"""Each replica's in-memory copy of the tier state it routes on: one `TierIndex` per model,
+"""Each replica's in-memory index of the tier state it routes on: one `TierIndex` per model,
 built from Redis and kept current from the model's change feed (schemas/changes.py).
 
 Redis stays the one authoritative state; an index is a derived read view of it, exact at a
@@ -58,7 +58,7 @@ class _Rebuild(Exception):
     """The index can no longer be exact: build it again (the reason is the message)."""
 
 
-class ModelMirror:
+class ModelIndex:
     """One model's index and the task that keeps it current."""
 
     def __init__(self, client, model_token: str, metrics: RouterMetrics | None = None, root: str = DEFAULT_ROOT,
@@ -261,7 +261,7 @@ def _store_members(index: TierIndex, worker: str, members) -> None:
             index.store(worker, tier, block_hashes_of_keys(blob))
 
 
-class TierMirror:
+class TierIndexes:
     """Every model's index in one replica, each started when the model is first routed."""
 
     def __init__(self, client, metrics: RouterMetrics | None = None, root: str = DEFAULT_ROOT, block_ms: int = 100):
@@ -269,25 +269,25 @@ class TierMirror:
         self._metrics = metrics
         self._root = root
         self._block_ms = block_ms
-        self.models: dict[str, ModelMirror] = {}
+        self.models: dict[str, ModelIndex] = {}
 
-    def model(self, model_token: str) -> ModelMirror:
-        mirror = self.models.get(model_token)
-        if mirror is None:
-            mirror = self.models[model_token] = ModelMirror(self._client, model_token, self._metrics, self._root,
-                                                            self._block_ms)
-            mirror.start()
-        return mirror
+    def model(self, model_token: str) -> ModelIndex:
+        index = self.models.get(model_token)
+        if index is None:
+            index = self.models[model_token] = ModelIndex(self._client, model_token, self._metrics, self._root,
+                                                          self._block_ms)
+            index.start()
+        return index
 
     async def close(self) -> None:
-        for mirror in self.models.values():
-            await mirror.stop()
+        for index in self.models.values():
+            await index.stop()
 
     def health(self) -> list[IndexHealth]:
         return [m.health() for _, m in sorted(self.models.items())]
 
 
-class MirroredOverlapReader:
+class IndexedOverlapReader:
     """The decision's read with an index: who is live, stale and loaded from Redis (one round
     trip of plain commands, `OverlapReader.read(walk=False)`), the overlaps from the model's
     index once it has applied the feed up to the change number that read saw, so a decision
@@ -296,14 +296,14 @@ class MirroredOverlapReader:
     behind, or when the store's marker is not the one it was built under: the walk in Redis,
     said in `degraded`."""
 
-    def __init__(self, client, mirror: TierMirror, walk: OverlapReader | None = None,
+    def __init__(self, client, indexes: TierIndexes, walk: OverlapReader | None = None,
                  catch_up_s: float = CATCH_UP_WAIT_S):
-        self.mirror = mirror
+        self.indexes = indexes
         self._redis = walk or OverlapReader(client)
         self._catch_up_s = catch_up_s
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages], now_ms: int | None = None) -> Views:
-        index = self.mirror.model(ModelKeys.for_model(model).model_token)
+        index = self.indexes.model(ModelKeys.for_model(model).model_token)
         if not index.ready:
             return await self._walk(model, pages_by_size, now_ms, DEGRADED_INDEX_NOT_READY)
         views = await self._redis.read(model, pages_by_size, now_ms, walk=False)

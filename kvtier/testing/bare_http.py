@@ -4,7 +4,7 @@ msgspec and answers a small JSON, and whose /v1/release does the same with a rel
 routing at all: `kvtier bench route` drives it with the very client that drives the router,
 side by side in one run, and reports the router's decisions/s as a fraction of it.
 
-    python -m kvtier.bench.bare_http --port 8123
+    python -m kvtier.testing.bare_http --port 8123
 """
 
 from __future__ import annotations
