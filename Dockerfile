@@ -21,7 +21,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/kvtier
 WORKDIR /src
 # Only what the wheel is built from (pyproject's package-dir map, its readme and package
-# data); tests/test_compose.py checks that this list matches pyproject.toml.
+# data); tests/house/test_compose.py checks that this list matches pyproject.toml.
 COPY pyproject.toml README.md ./
 COPY kvtier/ kvtier/
 COPY schemas/ schemas/

@@ -3,7 +3,7 @@
     python deploy/flag_table.py            # print them
     python deploy/flag_table.py --write    # replace them in docs/DEPLOY.md
 
-tests/test_compose.py fails when docs/DEPLOY.md and the parser disagree.
+tests/house/test_compose.py fails when docs/DEPLOY.md and the parser disagree.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def row(flag: str, default: str, help_text: str, choices=None) -> str:
 
 
 def render() -> str:
-    """The tables, from the parser every `kvtier` command line goes through (tests/test_settings_declared_once.py
+    """The tables, from the parser every `kvtier` command line goes through (tests/house/test_settings_declared_once.py
     checks them against the settings classes' declarations too)."""
     from kvtier.cli import build_parser
 

@@ -43,7 +43,7 @@ from .booking import AlreadyBooked, LoadBook, Selection
 from .breaker import CircuitBreaker
 from .errors import Busy as Busy  # router/admission.py imports it from here
 from .errors import DuplicateRequest, NoWorkers, RoutingError, UnknownModel
-from .fallback import Fallback as _Fallback  # the name tests/test_restarts_and_lag.py imports
+from .fallback import Fallback as _Fallback  # the name tests/consumers/test_restarts_and_lag.py imports
 from .fallback import StateStoreWatch
 from .hashing import RequestPages
 from .index_feed import CATCH_UP_WAIT_S, IndexedOverlapReader, ModelIndex, TierIndexes

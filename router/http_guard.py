@@ -47,7 +47,7 @@ protocol factory that ``AppRunner`` hands to ``loop.create_server``) and its ``R
 reads some of their private state (``RequestHandler._waiter``, ``_messages``, ``_request_count``,
 ``_request_in_progress``, ``_close``, ``_force_close``, ``_reading_paused``,
 ``_process_keepalive``; ``Server._kwargs`` and ``_loop``). Checked against aiohttp 3.14.5;
-tests/test_http_guard.py exercises every one of them, so an aiohttp upgrade that changes them
+tests/router/test_http_guard.py exercises every one of them, so an aiohttp upgrade that changes them
 fails there.
 """
 

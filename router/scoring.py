@@ -12,7 +12,7 @@ min-max normalised logits, sampled with `u`.
 
 `select_and_book.lua` evaluates the same load-dependent step inside Redis so selection and
 booking are one atomic step across router replicas; it takes `cache_credit()` from here and
-`tests/test_router_scoring.py` checks that both agree.
+`tests/router/test_router_scoring.py` checks that both agree.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def logits_of(request_pages: int, credits: Sequence[float], prefill_loads: Seque
               decode_loads: Sequence[int], prefill_load_scale: float) -> list[float]:
     """`logits()` on columns, for the decision's hot path: each candidate's credit given (as
     `cache_credit` computes it), the same `logit()` applied, no terms built.
-    tests/test_router_scoring.py checks both give the same values."""
+    tests/router/test_router_scoring.py checks both give the same values."""
     # logit() inlined (max(x, 0.0) is `0.0 if 0.0 > x else x`): a call per candidate costs
     # more than the arithmetic.
     return [prefill_load_scale * (0.0 if 0.0 > (x := request_pages + prefill - credit) else x) + decode

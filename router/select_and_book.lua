@@ -1,7 +1,7 @@
 -- Pick a worker and book the request's load on it in one atomic step, so concurrent router
 -- replicas always see each other's bookings. The load-free part of each score (the cache
 -- credit) comes from router/scoring.py; the load-dependent step below is the same formula
--- (tests/test_router_scoring.py checks both choose alike).
+-- (tests/router/test_router_scoring.py checks both choose alike).
 -- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 load version (the load
 --       keys of bookings.lua), 5 the request's booking hash, 6 the model's round-robin turn
 -- The key base (ARGV 1) builds only what bookings.lua says it builds: expired bookings' hashes

@@ -64,7 +64,7 @@ __all__ = ("PROXY_BOOKING_PREFIX", "Refused", "RouterConfig", "RouterService", "
 
 log = logging.getLogger("kvtier.router.http")
 
-#: kvtier/bench/fuzz.py and tests/test_fuzz.py decode bodies as the edge does, by this name.
+#: kvtier/bench/fuzz.py and tests/bench/test_fuzz.py decode bodies as the edge does, by this name.
 _decode = decode_body
 
 #: Paths served while draining and not counted as in flight: health, metrics, and releases

@@ -68,7 +68,7 @@ class TierStateReader(Protocol):
     Redis, over the authoritative pages sets) and router/index_feed.py's `IndexedOverlapReader`
     (the same read without the walk, the overlaps from an in-memory index that follows the
     change feed). Both are written by the same writer (consumers/apply.py), and one test
-    suite runs against both (tests/test_tier_state.py)."""
+    suite runs against both (tests/router/test_tier_state.py)."""
 
     async def read(self, model: str, pages_by_size: Mapping[int, RequestPages],
                    now_ms: int | None = None) -> Views: ...

@@ -3,7 +3,7 @@ building what the decision answers and logs.
 
 Nothing here does I/O: router/core.py reads Redis, the index and the shared pool, and hands
 what it read to these steps, which return a value or raise the RoutingError the service
-answers with. So each step can be checked on hand-built inputs (tests/test_router_steps.py).
+answers with. So each step can be checked on hand-built inputs (tests/router/test_router_steps.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ authoritative state, this is a derived read view of them.
 
 The walk here is a specialised copy of router/walk.py's (the spec), kept because it is on
 every decision's path: walking all workers at once on bit masks takes about 2.5x less time
-than the spec walked once per worker (32 workers, 64-page requests). tests/test_walk.py
+than the spec walked once per worker (32 workers, 64-page requests). tests/router/test_walk.py
 checks it against the spec on random page sets and requests.
 
 Layout: page hash -> one int, three bits per worker slot (device, host, disk: bit

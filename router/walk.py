@@ -4,7 +4,7 @@ Three implementations compute it, each shaped by where it runs: the Lua walk in 
 (read_overlap.lua, over a worker's pages set), the in-memory index (tier_index.py, every
 worker at once on bit masks) and the replay's router model (kvtier/eval/policies.py
 `TierView.walk`, which calls this function). Tests check each against this one on random
-page sets and requests (tests/test_walk.py, tests/test_tier_state.py); none of them is the
+page sets and requests (tests/router/test_walk.py, tests/router/test_tier_state.py); none of them is the
 spec.
 
 The walk, for one worker: from the request's first page, count the pages on device while

@@ -5,7 +5,7 @@ anyone with access to the stream may publish, router request bodies, Redis value
 replies of SGLang's and Mooncake's HTTP servers. Each decoder returns a valid typed value or
 raises its module's documented errors (msgspec.DecodeError / msgspec.ValidationError, and
 MalformedBatch / UnsupportedVersion where a module says so) and nothing else:
-`tests/test_fuzz.py` checks it, `kvtier bench fuzz` measures it.
+`tests/bench/test_fuzz.py` checks it, `kvtier bench fuzz` measures it.
 
 msgspec raises RecursionError, not DecodeError, for input nested deeper than Python's
 recursion limit (about 1,000 levels: a 2 KB message), so every such decoder goes through

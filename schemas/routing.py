@@ -17,7 +17,7 @@ from .limits import guarded
 #: SGLang hashes token ids as uint32: anything outside is not a token id. Lists of them are
 #: declared `list[int]` and checked by `check_token_ids` in the struct's `__post_init__`: a
 #: per-element msgspec bound made decoding 8,192 ids take 320 µs against 166 for plain ints,
-#: and packing them as uint32 checks the same bound in 47 µs (tests/test_router.py's bad bodies).
+#: and packing them as uint32 checks the same bound in 47 µs (tests/router/test_router.py's bad bodies).
 UINT32_MAX = 0xFFFFFFFF
 
 

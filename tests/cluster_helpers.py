@@ -1,4 +1,4 @@
-"""Clustered servers on loopback for tests/test_clusters.py: a 3-node nats-server cluster
+"""Clustered servers on loopback for tests/pipeline/test_clusters.py: a 3-node nats-server cluster
 with JetStream and a 3-master Redis Cluster (valkey-server / redis-server from
 kvtier.harness.embedded's finder). Every node is a child process on free loopback ports, stopped
 by its PID; its work directory is removed at the end."""

@@ -1,5 +1,5 @@
 """A real Prometheus on loopback for the tests that check kvtier's alert rules and dashboard
-queries (tests/test_prometheus.py, tests/test_openai_proxy.py). The binaries come from Debian's
+queries (tests/house/test_prometheus.py, tests/router/test_openai_proxy.py). The binaries come from Debian's
 prometheus package, which scripts/test unpacks into .venv/prometheus (KVTIER_PROMETHEUS_DIR
 overrides); the server is a child process on a free port, stopped by its PID."""
 

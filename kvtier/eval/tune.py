@@ -2,7 +2,7 @@
 TTFT p50, TTFT p99 and recomputed tokens, beside the defaults' figures and the oracle's.
 
 Every trial is a lockstep replay of kvtier's own router (`RouterModel`, the decision the
-pipeline makes, computed in process; tests/test_lockstep.py holds the two equal), so trials
+pipeline makes, computed in process; tests/eval/test_lockstep.py holds the two equal), so trials
 are comparable and the same command prints the same answer. The search: the defaults, then
 seeded random points over the space, then a coordinate refinement around each objective's
 best. With `--holdout F` the search sees only the first (1 - F) of the trace and every

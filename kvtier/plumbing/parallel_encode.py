@@ -51,7 +51,7 @@ straddle p, so the library's leftmost-longest matching finds the same ones on ea
 none strips whitespace or matches whole words only (those look across p). With special tokens
 asked for, what the post-processor adds (a BOS) is probed at load, as the piece cache probes
 it, and put around the joined ids; where it varies, such a text is encoded whole.
-tests/test_parallel_encode.py checks this against one encode on random texts.
+tests/plumbing/test_parallel_encode.py checks this against one encode on random texts.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ otherwise, and the text is encoded whole):
 - matching as the library matches: first the tokens not `normalized`, leftmost-longest over
   the whole text, then the `normalized` ones, leftmost-longest within each piece left.
 A text's special tokens added by the post-processor (a BOS) are found by probing, and checked.
-tests/test_tokenizer_cache.py compares it with one full encode on random chats (unicode,
+tests/plumbing/test_tokenizer_cache.py compares it with one full encode on random chats (unicode,
 system prompts, tool messages) with the real DeepSeek-V4 byte-level BPE tokenizer.
 """
 

@@ -1,4 +1,4 @@
-"""The pipeline `kvtier bench faults` (kvtier/bench/faults.py) and tests/test_fault_suite.py put
+"""The pipeline `kvtier bench faults` (kvtier/bench/faults.py) and tests/pipeline/test_fault_suite.py put
 under faults (kvtier/testing/fault_injector.py), every part in its own process: simulated
 HiCache engines (`kvtier/sim/hicache_sim.py`, one per worker) publishing SGLang's ZMQ wire
 format (PUB + replay ROUTER, `kvtier/sim/sglang_publisher.py`) from this process, driven by a

@@ -1,4 +1,4 @@
-"""The faults `kvtier bench faults` and tests/test_fault_suite.py inject into the pipeline of
+"""The faults `kvtier bench faults` and tests/pipeline/test_fault_suite.py inject into the pipeline of
 kvtier/testing/fault_cluster.py, one at a time, each followed by a wait for recovery:
 
   processor_kill     SIGKILL a processor, restart it after a short outage

@@ -9,7 +9,7 @@ round-trips. Through the real processes: bad engine input ends in KVTIER_DLQ wit
 while the valid batches around it are applied; bad stream messages likewise; every bad router
 request gets a 4xx naming what is wrong, never a 5xx or a hang, and the router keeps serving.
 
-`kvtier bench fuzz` (kvtier/bench/fuzz.py) and tests/test_fuzz.py read this module; it
+`kvtier bench fuzz` (kvtier/bench/fuzz.py) and tests/bench/test_fuzz.py read this module; it
 re-exports the strategies and stacks they use besides the table.
 """
 
