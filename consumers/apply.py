@@ -18,6 +18,7 @@ from typing import cast
 import redis
 
 from kvtier.plumbing.lua_scripts import load_lua
+from kvtier.schemas.changes import DEFAULT_CHANGES_MAXLEN
 from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, page_member, split_member, store_key
@@ -74,9 +75,6 @@ _APPLY_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "apply.lua")
 _EXPIRE_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "expire.lua")
 _FORGET_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "forget.lua")
 _DROP_PAGES_LUA = _CHANGES_LUA + load_lua("kvtier.consumers", "drop_pages.lua")
-#: Entries each model's change feed keeps by default: at 128-page batches, ~60 s of a
-#: 100k-transitions/s model, ~1-2 KB each (`kvtier processor --changes-maxlen`).
-DEFAULT_CHANGES_MAXLEN = 50_000
 _CLAIM_LUA = load_lua("kvtier.consumers", "claim_rebuild.lua")
 _ADOPT_LUA = load_lua("kvtier.consumers", "adopt_model.lua")
 _ANNOUNCE_LUA = load_lua("kvtier.consumers", "announce.lua")

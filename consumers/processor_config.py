@@ -20,6 +20,7 @@ from kvtier.plumbing.settings import (
 )
 from kvtier.plumbing.stream_flags import StreamFlags
 from kvtier.plumbing.streams import StreamSettings
+from kvtier.schemas.changes import DEFAULT_CHANGES_MAXLEN
 
 
 @dataclass(kw_only=True)
@@ -69,10 +70,8 @@ class ProcessorConfig:
         DEFAULT_BUDGET_PAGES_PER_S, flag="--hash-check-budget", parse=non_negative_float,
         help="Pages the hash check recomputes per second at most (0: no limit); pages over it are counted as "
              "skipped, pages already verified (host copies, load_backs) are not recomputed.")
-    #: Entries each model's change feed keeps (routers' indexes follow it; apply.py's
-    #: DEFAULT_CHANGES_MAXLEN is the same number, for a TierStateWriter built without a config).
     changes_maxlen: int = setting(
-        50_000, flag="--changes-maxlen", parse=positive_int,
+        DEFAULT_CHANGES_MAXLEN, flag="--changes-maxlen", parse=positive_int,
         help="Entries each model's change feed (kvt:{model}:changes) keeps, at least: routers' in-memory indexes "
              "follow it, and one that falls further behind bootstraps again from the pages sets.")
     stream: StreamFlags = group(StreamFlags)

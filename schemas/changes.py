@@ -24,6 +24,10 @@ from .hashes import BlockHash, block_hashes_of_keys
 from .state_keys import as_text
 from .tiers import TIER_BITS, Tier
 
+#: Entries each model's change feed keeps by default: at 128-page batches, ~60 s of a
+#: 100k-transitions/s model, ~1-2 KB each (`kvtier processor --changes-maxlen`).
+DEFAULT_CHANGES_MAXLEN = 50_000
+
 _TIER_OF_DIGIT = {format(bit, "x"): tier for tier, bit in TIER_BITS.items()}
 
 

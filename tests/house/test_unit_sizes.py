@@ -53,3 +53,11 @@ def test_the_check_sees_a_long_function_and_a_long_file(tmp_path):
     assert too_long(short, tmp_path) == []
     assert too_long(long, tmp_path) == [f"long.py: {MAX_FUNCTION_LINES + 1 + MAX_FILE_LINES} lines",
                                         f"long.py:1 too_long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+def test_the_benches_hold_only_benches():
+    """kvtier/bench/ is each bench's run and report; the harness they start (process stacks,
+    samplers, the fault injector, workloads) lives in kvtier/testing/, the evaluation in
+    kvtier/eval/. Under 3,000 lines in all, so a bench reads in a sitting."""
+    lines = sum(path.read_text().count("\n") for path in (ROOT / "kvtier" / "bench").glob("*.py"))
+    assert 500 < lines < 3000, f"kvtier/bench/ holds {lines} lines"
