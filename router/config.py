@@ -72,7 +72,7 @@ class RouterConfig:
              "every replica (pages its events may not show yet). Pays off when requests sharing a new context "
              "arrive together (fan-out); costs Redis memory per in-flight page (BENCHMARKS.md).")
     state_source: StateSource = choice(
-        StateSource, RouterSettings.state_source, flag="--state-source", former=("mirror",),
+        StateSource, RouterSettings.state_source, flag="--state-source",
         help="Where decisions read tier overlaps. index: an in-memory index of every model, built from Redis "
              "and kept current from its change feed (kvt:{model}:changes), so a decision costs Redis only the "
              "liveness read and the booking; until a model's index is ready, decisions walk in Redis and say so "

@@ -36,9 +36,8 @@ class StateSource(Choice):
     REDIS = "redis"  # the Lua walk in Redis for every decision
 
     @classmethod
-    def _missing_(cls, value):
-        # "mirror", the index's former name, still read so deployments written with it keep working
-        return cls.INDEX if value == "mirror" else None
+    def former_names(cls) -> dict[str, str]:
+        return {"mirror": "index"}  # the in-memory index's name until 2026-12-03
 
 
 @dataclass

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.testing.clients import closed_loop_rate, router_health
+from kvtier.testing.clients import closed_loop_rate, metric_sum, router_health
 
 if TYPE_CHECKING:
     from kvtier.testing.proxy_stack import ProxyStack
@@ -174,15 +174,13 @@ async def _index_entries(session, router: str) -> int | None:
 
 
 async def _tokenizer_cache_mb(session, router: str) -> float | None:
-    """The replica's router_tokenizer_cache_bytes (one model), in MiB; None if it is gone."""
+    """The replica's router_tokenizer_cache_bytes (its models together), in MiB; None if it is gone."""
     try:
         async with session.get(router + "/metrics", timeout=2) as r:
             text = (await r.read()).decode()
     except Exception:  # noqa: BLE001 - a replica that is gone has no metrics
         return None
-    held = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("router_tokenizer_cache_bytes{")]
-    return round(sum(held) / (1 << 20), 2) if held else None
+    return round(metric_sum(text, "router_tokenizer_cache_bytes") / (1 << 20), 2)
 
 
 async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:

@@ -37,6 +37,17 @@ class Choice(str, enum.Enum):
     def __str__(self) -> str:
         return str(self.value)
 
+    @classmethod
+    def former_names(cls) -> dict[str, str]:
+        """Names a mode had before it was renamed -> its name now: still read (on the command
+        line, in KVTIER_*, given by name), so deployments written with them keep working."""
+        return {}
+
+    @classmethod
+    def _missing_(cls, value):
+        now = cls.former_names().get(value) if isinstance(value, str) else None
+        return cls(now) if now is not None else None
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -110,10 +121,10 @@ def required(*, flag: str, help: str, parse: Callable[[str], Any] | None = None,
     return dataclasses.field(metadata={FLAG: Flag(name=flag, help=help, parse=parse, dest=dest, required=True)})
 
 
-def choice(kind: type[enum.Enum], default: enum.Enum | None, *, flag: str, help: str, dest: str | None = None,
-           former: tuple[str, ...] = ()) -> Any:
-    """A mode, one of the names of `kind` (a str-valued Enum); None: not given. `former`: old
-    names still accepted, which `kind` maps to their members (its `_missing_`)."""
+def choice(kind: type[enum.Enum], default: enum.Enum | None, *, flag: str, help: str, dest: str | None = None) -> Any:
+    """A mode, one of the names of `kind` (a str-valued Enum, its former names too: Choice's
+    `former_names`); None: not given."""
+    former = tuple(kind.former_names()) if issubclass(kind, Choice) else ()
     spec = Flag(name=flag, help=help, dest=dest, choices=(*(str(member.value) for member in kind), *former),
                 text_default=None if default is None else default.value,
                 to_field=lambda text: None if text is None else kind(text))
