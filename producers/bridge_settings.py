@@ -22,7 +22,7 @@ from kvtier.plumbing.settings import (
     worker_id_text,
 )
 from kvtier.plumbing.stream_flags import StreamFlags
-from kvtier.schemas.worker import AttentionKind
+from kvtier.schemas.worker import ONE_RANK, UNSPLIT, AttentionKind
 
 #: The engine's health answer is awaited this long at most, or half the lease when that is shorter.
 HEALTH_TIMEOUT_S = 5.0
@@ -75,15 +75,16 @@ class BridgeSettings:
     nats_url: str = required(flag="--nats", dest="nats", help="NATS URL, e.g. nats://127.0.0.1:4222.")
     dp_size: int | None = setting(
         None, flag="--dp-size", parse=positive_int,
-        help="Attention data-parallel ranks of the worker; each rank publishes on endpoint port + rank (default 1).")
+        help="Attention data-parallel ranks of the worker; each rank publishes on endpoint port + rank (default "
+             f"{ONE_RANK}).")
     tp_size: int | None = setting(None, flag="--tp-size", parse=positive_int,
-                                  help="Tensor-parallel size (Mooncake key layout; default 1).")
+                                  help=f"Tensor-parallel size (Mooncake key layout; default {UNSPLIT.tp_size}).")
     pp_size: int | None = setting(None, flag="--pp-size", parse=positive_int,
-                                  help="Pipeline-parallel size (Mooncake key layout; default 1).")
+                                  help=f"Pipeline-parallel size (Mooncake key layout; default {UNSPLIT.pp_size}).")
     mooncake_attention: AttentionKind | None = choice(
         AttentionKind, None, flag="--mooncake-attention",
-        help="Attention kind, which decides the Mooncake key layout of a page (mha, the default: _k/_v per TP "
-             "rank; mla: one __k key).")
+        help=f"Attention kind, which decides the Mooncake key layout of a page ({UNSPLIT.attention.value}, the "
+             "default: _k/_v per TP rank; mla: one __k key).")
     mooncake_key_prefix: str | None = setting(None, flag="--mooncake-key-prefix",
                                               help="Prefix SGLang puts before Mooncake keys, if any.")
     hicache_storage_backend: StorageBackend | None = choice(

@@ -41,7 +41,7 @@ from kvtier.schemas.sglang_server import (
     decode_l3_cache_layout,
     decode_server_info,
 )
-from kvtier.schemas.worker import AttentionKind, MooncakeLayout
+from kvtier.schemas.worker import ONE_RANK, UNSPLIT, AttentionKind, MooncakeLayout
 
 log = logging.getLogger("kvtier.bridge.discovery")
 
@@ -107,14 +107,15 @@ def manual_settings(flags: WorkerFlags) -> WorkerSettings:
         raise DiscoveryError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required unless "
                              "--sglang-url is given (then they are read from SGLang's /server_info)")
     assert flags.endpoint is not None and flags.model is not None and flags.page_size is not None  # checked above
-    tp_size, pp_size = flags.tp_size or 1, flags.pp_size or 1
+    tp_size, pp_size = flags.tp_size or UNSPLIT.tp_size, flags.pp_size or UNSPLIT.pp_size
     mooncake = None
     if flags.hicache_storage_backend == "mooncake":
-        mooncake = MooncakeLayout(attention=AttentionKind(flags.mooncake_attention or "mha"), tp_size=tp_size,
-                                  pp_size=pp_size, key_prefix=flags.mooncake_key_prefix or "")
+        mooncake = MooncakeLayout(attention=AttentionKind(flags.mooncake_attention or UNSPLIT.attention),
+                                  tp_size=tp_size, pp_size=pp_size, key_prefix=flags.mooncake_key_prefix or "")
     return WorkerSettings(
         endpoint=flags.endpoint, replay_endpoint=flags.replay_endpoint or "", topic=flags.topic or "",
-        model=flags.model, page_size=flags.page_size, dp_size=flags.dp_size or 1, tp_size=tp_size, pp_size=pp_size,
+        model=flags.model, page_size=flags.page_size, dp_size=flags.dp_size or ONE_RANK, tp_size=tp_size,
+        pp_size=pp_size,
         mooncake=mooncake, http_endpoint=flags.http_endpoint or "",
         hicache_enabled=flags.hicache_enabled, hicache_write_policy=flags.hicache_write_policy or "",
     )
@@ -275,7 +276,8 @@ def _mooncake(info: ServerInfo, layout: L3CacheLayout | None, flags: WorkerFlags
         if wanted == "mooncake":
             notes.append("SGLang has no /get_hicache_l3_cache_layout: the Mooncake layout comes from "
                          "--mooncake-attention / --mooncake-key-prefix")
-            return MooncakeLayout(attention=AttentionKind(flags.mooncake_attention or "mha"), tp_size=tp_size,
+            return MooncakeLayout(attention=AttentionKind(flags.mooncake_attention or UNSPLIT.attention),
+                                  tp_size=tp_size,
                                   pp_size=pp_size, key_prefix=flags.mooncake_key_prefix or "")
         notes.append("SGLang has no /get_hicache_l3_cache_layout, so its Mooncake key layout is unknown and none is "
                      "announced; give --hicache-storage-backend mooncake (with --mooncake-attention, "
@@ -354,7 +356,7 @@ def _unsupported(layout: L3CacheLayout, candidate: MooncakeLayout, page_size: in
 
 
 # --- HTTP -----------------------------------------------------------------------------------
-def fetch(sglang_url: str, timeout_s: float = 5.0,
+def fetch(sglang_url: str, timeout_s: float,
           api_key: str = "") -> tuple[ServerInfo, L3CacheLayout | None]:
     """GET /server_info (or the older /get_server_info) and /get_hicache_l3_cache_layout
     (None when the server has no such endpoint)."""
@@ -397,7 +399,7 @@ def _get(url: str, path: str, timeout_s: float, api_key: str) -> bytes | None:
                              "--sglang-url is its HTTP address (http://HOST:PORT, as given to --host/--port)") from None
 
 
-def resolve_worker(flags: WorkerFlags, sglang_url: str = "", timeout_s: float = 5.0,
+def resolve_worker(flags: WorkerFlags, sglang_url: str, timeout_s: float,
                    api_key: str = "") -> WorkerSettings:
     """The bridge's worker settings: discovered from SGLang when sglang_url is set, else the flags."""
     if not sglang_url:

@@ -136,6 +136,11 @@ class ModelKeys:
         return f"{self.base}:page_size"
 
     @property
+    def rates(self) -> str:
+        """Each worker's learned rates (schemas/rates.py), written by router/learn_rates.lua."""
+        return f"{self.base}:rates"
+
+    @property
     def hash_check(self) -> str:
         return f"{self.base}:hash_check"
 

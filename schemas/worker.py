@@ -84,3 +84,9 @@ def encode_worker_metadata(meta: WorkerMetadata) -> bytes:
 def decode_worker_metadata(data: bytes | str) -> WorkerMetadata:
     """Raises msgspec.DecodeError/ValidationError."""
     return guarded(_decoder.decode, data)
+
+
+#: A worker whose flags leave its layout out, as the declarations above say: TP and PP of one
+#: and MHA attention (MooncakeLayout), one attention-DP rank (WorkerMetadata).
+UNSPLIT = MooncakeLayout()
+ONE_RANK: int = next(f.default for f in msgspec.structs.fields(WorkerMetadata) if f.name == "dp_size")

@@ -3,11 +3,6 @@ kvtier CLI processes started and stopped by PID, and polling helpers."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -16,6 +11,7 @@ import redis
 from kvtier.consumers.apply import read_worker_pages, read_worker_state
 from kvtier.schemas.sglang import SglangEvent
 from kvtier.sim.synthetic import HiCacheWorkload, ReferenceModel  # re-exported for tests
+from kvtier.testing.processes import KvtierSubprocess
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05,
@@ -44,42 +40,26 @@ def describe_diff(client: redis.Redis, model: str, worker: str, reference: Refer
             f"state {read_worker_state(client, model, worker)}")
 
 
-class KvtierProcess:
-    """A `kvtier` subcommand in its own process, stopped by PID."""
+class KvtierProcess(KvtierSubprocess):
+    """A `kvtier` subcommand in its own process for a test: its log in the temporary folder, and
+    stopping it is strict (a process that ignores SIGTERM fails the test)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()):
         """`prefix`: a command that runs it (e.g. `prlimit --nofile=256`)."""
-        self.args = [*prefix, sys.executable, "-m", "kvtier.cli", *args]
-        self.log = tempfile.NamedTemporaryFile(prefix="kvtier-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        super().__init__(args, None, args[0] if args else "kvtier", env=env, prefix=prefix)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def output(self) -> str:
-        with open(self.log.name, "rb") as f:
-            return f.read().decode(errors="replace")
+        return self.tail(None)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-                raise AssertionError(f"{self.args} ignored SIGTERM for {timeout}s:\n{self.output()[-3000:]}") from None
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+    def stop(self, timeout: float = 15.0, strict: bool = True) -> int | None:
+        return super().stop(timeout, strict)
 
 
 def stop_all(*processes: KvtierProcess) -> list[int]:

@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
+from kvtier.bench.settings import FaultsBench
 from kvtier.schemas.state_keys import DEFAULT_ROOT
 from kvtier.schemas.subjects import subject_token
 from kvtier.testing.fault_cluster import MODEL, Cluster, Pump, count_in_logs
@@ -105,12 +106,13 @@ def compare(cluster: Cluster) -> dict:
 
 
 # --- the run -------------------------------------------------------------------------------
-def run_faults(faults: int = 24, seed: int = 1, duration: float = 150.0, workers: int = 4, processors: int = 2,
-               rate: float = 40.0, log_dir: str | None = None, say=print, lease_s: float = 5.0) -> dict:
-    """The whole bench; returns the result (the JSON object). `lease_s`: the workers' lease
+def run_faults(bench: FaultsBench, say=print) -> dict:
+    """The whole bench; returns the result (the JSON object). `bench.lease`: the workers' lease
     (their bridges announce every quarter of it); the long faults last twice as long."""
+    faults, seed, duration, workers, processors, rate = (bench.faults, bench.seed, bench.duration, bench.workers,
+                                                         bench.processors, bench.rate)
     workdir = tempfile.mkdtemp(prefix="kvtier-faults-")
-    cluster = Cluster(workdir, workers, processors, rate, duration, seed, say, lease_s)
+    cluster = Cluster(workdir, workers, processors, rate, duration, seed, say, bench.lease)
     plan = schedule(faults, duration, seed)
     injector = Injector(cluster, seed, say)
     pump = Pump(cluster.engines, rate)
@@ -171,8 +173,8 @@ def run_faults(faults: int = 24, seed: int = 1, duration: float = 150.0, workers
         try:
             cluster.stop()
         finally:
-            if log_dir:
-                shutil.copytree(cluster.logs, log_dir, dirs_exist_ok=True)
+            if bench.log_dir:
+                shutil.copytree(cluster.logs, bench.log_dir, dirs_exist_ok=True)
             shutil.rmtree(workdir, ignore_errors=True)
 
     by_kind: dict[str, dict] = {}
@@ -194,7 +196,7 @@ def run_faults(faults: int = 24, seed: int = 1, duration: float = 150.0, workers
         "stream_messages": comparison["replay_messages"],
         "pages_compared": comparison["pages_vs_replay"] + comparison["pages_vs_engines"],
         "divergences": divergences, "settle_s": round(settle, 3) if settle is not None else None,
-        "lease_s": lease_s, "expired_live_workers": expired_live, "rebases": rebases,
+        "lease_s": bench.lease, "expired_live_workers": expired_live, "rebases": rebases,
         "recovery": _summary(recoveries), "recovery_by_kind": {k: v["recovery"] for k, v in by_kind.items()},
         "comparison": comparison, "schedule": [asdict(f) for f in plan],
     }
@@ -229,14 +231,11 @@ def print_report(result: dict, say=print) -> None:
         f"rebases: {result['rebases']}")
 
 
-def run_fault_bench(args) -> int:
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
-    if args.faults < 1:
-        raise SystemExit("--faults must be at least 1")
-    result = run_faults(faults=args.faults, seed=args.seed, duration=args.duration, workers=args.workers,
-                        processors=args.processors, rate=args.rate, log_dir=args.log_dir, say=say, lease_s=args.lease)
+def run_fault_bench(bench: FaultsBench) -> int:
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if bench.json else (lambda *a: print(*a, flush=True))
+    result = run_faults(bench, say)
     print_report(result, say)
-    if args.json:
+    if bench.json:
         print(json.dumps(result))
     clean = (result["divergences"] == 0 and result["not_recovered"] == 0 and result["expired_live_workers"] == 0
              and result["rebases"] == 0)

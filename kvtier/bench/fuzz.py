@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import time
 
+from kvtier.bench.settings import FuzzBench
+
 
 def _split(total: int, targets: list) -> dict[str, int]:
     """`total` cases shared among the targets by weight; the first takes what rounding leaves."""
@@ -27,34 +29,34 @@ def _report(result) -> None:
         print("    first failure: " + result.first_failure.strip().replace("\n", "\n    "), flush=True)
 
 
-def _examples(args, row, shares: dict[str, int]) -> int:
+def _examples(bench: FuzzBench, row, shares: dict[str, int]) -> int:
     """Hypothesis examples for a decoder row: its share of --cases, each input counting with its mutants."""
-    return max(1, shares[row.name] // (1 + (args.mutants if row.amplify else 0)))
+    return max(1, shares[row.name] // (1 + (bench.mutants if row.amplify else 0)))
 
 
-def _process_count(args, target) -> int:
+def _process_count(bench: FuzzBench, target) -> int:
     """Requests (--process-cases) for a per-request target, else examples of ~6 inputs (a second or two each)."""
-    process_cases = args.process_cases if args.process_cases is not None else min(2000, max(100, args.cases // 50))
+    process_cases = bench.process_cases if bench.process_cases is not None else min(2000, max(100, bench.cases // 50))
     return process_cases if target.per_request else max(10, process_cases // 25)
 
 
-def _print_totals(args, results: dict, in_process: list[str], elapsed: float, in_process_s: float) -> int:
+def _print_totals(bench: FuzzBench, results: dict, in_process: list[str], elapsed: float, in_process_s: float) -> int:
     """The totals line (and the --json object); returns the failures."""
     total = sum(r.cases for r in results.values())
     failures = sum(r.failures for r in results.values())
     in_cases = sum(results[name].cases for name in in_process)
     print(f"total: {total} cases, {failures} failures, {elapsed:.1f}s ({in_cases / in_process_s:.0f} in-process "
           f"cases/s)")
-    if args.json:
+    if bench.json:
         print(json.dumps({
-            "bench": "fuzz", "cases": total, "failures": failures, "seed": args.seed, "seconds": round(elapsed, 1),
+            "bench": "fuzz", "cases": total, "failures": failures, "seed": bench.seed, "seconds": round(elapsed, 1),
             "in_process_cases": in_cases, "in_process_cases_per_s": round(in_cases / in_process_s, 1),
             "targets": {name: r.as_dict() for name, r in results.items()},
         }))
     return failures
 
 
-def run_fuzz_bench(args) -> int:
+def run_fuzz_bench(bench: FuzzBench) -> int:
     from kvtier.harness.embedded import NatsServer, RedisServer
 
     try:
@@ -67,17 +69,17 @@ def run_fuzz_bench(args) -> int:
     results: dict = {}
     started = time.perf_counter()
     rows = fuzz_table.decoder_targets()
-    shares = _split(args.cases, rows)
-    print(f"kvtier bench fuzz: {args.cases} in-process cases over {len(rows)} decoders, seed {args.seed}", flush=True)
+    shares = _split(bench.cases, rows)
+    print(f"kvtier bench fuzz: {bench.cases} in-process cases over {len(rows)} decoders, seed {bench.seed}", flush=True)
     for row in rows:
-        results[row.name] = fuzz_run.run_property(row.name, row.strategy, row.checker(args.mutants),
-                                                  _examples(args, row, shares), args.seed)
+        results[row.name] = fuzz_run.run_property(row.name, row.strategy, row.checker(bench.mutants),
+                                                  _examples(bench, row, shares), bench.seed)
         _report(results[row.name])
     in_process_s = time.perf_counter() - started
     with NatsServer() as nats_server, RedisServer() as redis_server:
         for target in fuzz_table.PROCESSES:
             results[target.name] = fuzz_run.run_process(target, nats_server, redis_server,
-                                                        _process_count(args, target), args.seed)
+                                                        _process_count(bench, target), bench.seed)
             _report(results[target.name])
-    failures = _print_totals(args, results, [row.name for row in rows], time.perf_counter() - started, in_process_s)
+    failures = _print_totals(bench, results, [row.name for row in rows], time.perf_counter() - started, in_process_s)
     return 1 if failures else 0

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.bench.settings import OverloadBench
 from kvtier.testing.clients import closed_loop_rate, metric_sum, router_health
 
 if TYPE_CHECKING:
@@ -143,11 +144,6 @@ def _body(prompt: str, max_tokens: int) -> bytes:
     return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}).encode()
 
 
-async def _capacity(session, workers: list[str], prompts, seconds: float, concurrency: int) -> float:
-    """Completed requests/s of a closed loop straight to the workers: the best the cluster can do."""
-    return await closed_loop_rate(session, workers, "/v1/completions", prompts, concurrency, seconds)
-
-
 async def _open_loop(session, balancer, prompts, rate: float, seconds: float, phase: str, tally: Tally,
                      rng: random.Random, timeout_s: float, events=()) -> None:
     """Poisson arrivals at `rate` for `seconds`; `events`: (at seconds, coroutine function) run on time."""
@@ -183,26 +179,28 @@ async def _tokenizer_cache_mb(session, router: str) -> float | None:
     return round(metric_sum(text, "router_tokenizer_cache_bytes") / (1 << 20), 2)
 
 
-async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
+async def _drive(stack: ProxyStack, vocabulary: list[str], bench: OverloadBench) -> dict:
     import aiohttp
 
     from kvtier.testing.processes import rss_mb
 
-    rng = random.Random(args.seed)
+    rng = random.Random(bench.seed)
 
     def prompts() -> bytes:
-        return _body(" ".join(rng.choice(vocabulary) for _ in range(args.prompt_tokens - 1)), args.max_tokens)
+        return _body(" ".join(rng.choice(vocabulary) for _ in range(bench.prompt_tokens - 1)), bench.max_tokens)
 
     tally = Tally()
     balancer = _Balancer(stack.routers)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(8):  # warm: connections, code paths
-            await _one(session, balancer, prompts(), "warm-up", tally, args.request_timeout)
-        capacity = await _capacity(session, stack.workers, prompts, args.capacity_seconds, 2 * len(stack.workers))
+            await _one(session, balancer, prompts(), "warm-up", tally, bench.request_timeout)
+        # completed requests/s of a closed loop straight to the workers: the best the cluster can do
+        capacity = await closed_loop_rate(session, stack.workers, "/v1/completions", prompts, 2 * len(stack.workers),
+                                          bench.capacity_seconds)
         rss_before_load = [rss_mb(p.live_pid) for p in stack.router_procs]
-        await _open_loop(session, balancer, prompts, 0.8 * capacity, args.low_seconds, "0.8x", tally, rng,
-                         args.request_timeout)
+        await _open_loop(session, balancer, prompts, 0.8 * capacity, bench.low_seconds, "0.8x", tally, rng,
+                         bench.request_timeout)
         # Start: the 2x phase's, when the workers' pools are full (--device-pages), so each
         # replica's index holds as many pages as it will; before that its growth is the
         # cluster's cache filling, which it must mirror, not a leak.
@@ -221,16 +219,16 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
 
         async def open_idle_sockets() -> None:
             host, port = stack.routers[0].removeprefix("http://").split(":")
-            for _ in range(args.idle_sockets):
+            for _ in range(bench.idle_sockets):
                 try:
                     idle.append(socket.create_connection((host, int(port)), timeout=2))
                 except OSError:
                     break
 
         async def oversized() -> None:
-            huge = _body("w1 " * (args.max_prompt_bytes // 3 + 10), 1)
+            huge = _body("w1 " * (bench.max_prompt_bytes // 3 + 10), 1)
             for _ in range(3):
-                await _one(session, balancer, huge, "oversized", tally, args.request_timeout)
+                await _one(session, balancer, huge, "oversized", tally, bench.request_timeout)
 
         async def kill_worker() -> None:
             stack.sim_procs[0].kill()
@@ -242,11 +240,11 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
                     peaks.append(health.queue.peak)
             stack.router_procs[1].proc.terminate()  # SIGTERM: it drains
 
-        await _open_loop(session, balancer, prompts, 2 * capacity, args.seconds, "2x", tally, rng,
-                         args.request_timeout, events=[(0.0, open_idle_sockets), (1.0, oversized),
-                                                       (args.seconds * 0.35, kill_worker),
-                                                       (args.seconds * 0.6, stop_replica),
-                                                       *((args.seconds * f, sample(f"2x at {f:.0%}"))
+        await _open_loop(session, balancer, prompts, 2 * capacity, bench.seconds, "2x", tally, rng,
+                         bench.request_timeout, events=[(0.0, open_idle_sockets), (1.0, oversized),
+                                                       (bench.seconds * 0.35, kill_worker),
+                                                       (bench.seconds * 0.6, stop_replica),
+                                                       *((bench.seconds * f, sample(f"2x at {f:.0%}"))
                                                          for f in (0.25, 0.5, 0.75, 0.99))])
         for router in stack.routers:
             health = await router_health(session, router)
@@ -278,9 +276,9 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
     rss_growth = (survivor_end / survivor_start - 1) if survivor_start and survivor_end else float("nan")
     lost_details = sorted({o.detail for o in measured if o.kind == "lost"})[:5]
     return {
-        "workers": len(stack.workers), "replicas": len(stack.routers), "prompt_tokens": args.prompt_tokens,
+        "workers": len(stack.workers), "replicas": len(stack.routers), "prompt_tokens": bench.prompt_tokens,
         "capacity_requests_per_s": capacity, "offered_low_per_s": 0.8 * capacity, "offered_high_per_s": 2 * capacity,
-        "low_seconds": args.low_seconds, "high_seconds": args.seconds,
+        "low_seconds": bench.low_seconds, "high_seconds": bench.seconds,
         "sent": len(measured), **counts,
         "refused_with_retry_after": sum(1 for o in refusals if o.retry_after),
         "migrated": sum(1 for o in measured if o.migrated and o.kind == "completed"),
@@ -290,14 +288,14 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
         "ttft_low_p50_ms": lows["p50"], "ttft_low_p99_ms": lows["p99"],
         "ttft_high_p50_ms": highs["p50"], "ttft_high_p99_ms": highs["p99"],
         "queue_peak": max(peaks, default=0),
-        "idle_sockets_opened": args.idle_sockets, "idle_sockets_closed_by_router": closed_by_router,
+        "idle_sockets_opened": bench.idle_sockets, "idle_sockets_closed_by_router": closed_by_router,
         "oversized_sent": len(oversized_outcomes),
         "oversized_refused_413": sum(1 for o in oversized_outcomes if o.detail.startswith("413")),
         "rss_start_mb": rss_start, "rss_end_mb": rss_end, "survivor_rss_growth": rss_growth,
         "survivor_rss_samples_mb": rss_samples, "rss_before_load_mb": rss_before_load,
         "index_entries_start": entries_start, "index_entries_end": entries_end,
         "tokenizer_cache_mb_start": cache_start, "tokenizer_cache_mb_end": cache_end,
-        "tokenizer_cache_bound_mb": args.tokenizer_cache_mb,
+        "tokenizer_cache_bound_mb": bench.tokenizer_cache_mb,
         "lost_details": lost_details,
         "failed_before_first_byte_details": sorted({o.detail for o in measured
                                                     if o.kind == "failed_before_first_byte"})[:5],
@@ -309,7 +307,7 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], args) -> dict:
     }
 
 
-def run_overload_bench(args) -> int:
+def run_overload_bench(bench: OverloadBench) -> int:
     from kvtier.testing.model_tokenizers import write_tokenizer
     from kvtier.testing.processes import work_folder
     from kvtier.testing.proxy_stack import proxy_stack
@@ -317,15 +315,15 @@ def run_overload_bench(args) -> int:
     with work_folder("kvtier-bench-overload-", "kvtier bench overload") as work:
         tokenizer = os.path.join(work, "tokenizer")
         vocabulary = write_tokenizer(tokenizer)
-        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, args.workers, 2, [
-                "--busy-prefill-tokens", str(args.busy_prefill_tokens), "--queue-timeout", str(args.queue_timeout),
-                "--max-prompt-bytes", str(args.max_prompt_bytes), "--drain-timeout", "10",
-                "--tokenizer-cache-mb", str(args.tokenizer_cache_mb)],
-                sim_flags=["--device-pages", str(args.device_pages), "--pace"],
+        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, bench.workers, 2, [
+                "--busy-prefill-tokens", str(bench.busy_prefill_tokens), "--queue-timeout", str(bench.queue_timeout),
+                "--max-prompt-bytes", str(bench.max_prompt_bytes), "--drain-timeout", "10",
+                "--tokenizer-cache-mb", str(bench.tokenizer_cache_mb)],
+                sim_flags=["--device-pages", str(bench.device_pages), "--pace"],
                 bridge_flags=["--heartbeat", "0.5", "--lease-ttl", "3", "--engine-health-timeout", "1"]) as stack:
-            results = asyncio.run(_drive(stack, vocabulary, args))
+            results = asyncio.run(_drive(stack, vocabulary, bench))
     _print(results)
-    if args.json:
+    if bench.json:
         print(json.dumps(results))
     return 0
 

@@ -8,7 +8,7 @@ prose from a seeded sentence generator (kvtier/testing/prose.py), cut to
 their token counts with that same tokenizer. Every measured request is streamed with one output
 token; its TTFT is the client's time to the first byte of the answer.
 
-Three workloads, each measured alone:
+Three workloads (kvtier/testing/proxy_workloads.py), each measured alone:
 - `fresh`: a new `--prompt-tokens` text prompt per request (/v1/completions);
 - `multi_turn`: `--conversations` chats (/v1/chat/completions) taken in turn, each request
   adding the previous turn's short answer and a new `--turn-tokens` user turn; a chat that
@@ -56,177 +56,20 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
+from kvtier.bench.settings import ProxyBench
 from kvtier.schemas.openai import reported_usage
 from kvtier.testing.clients import closed_loop_rate, metric_sum
 from kvtier.testing.model_tokenizers import PlainTokenizer
 from kvtier.testing.prose import Prose
+from kvtier.testing.proxy_workloads import COMPLETIONS, WORKLOADS, Workload, completion, proxy_workloads
 
 MODEL = "bench/proxy-model"
 PAGE_SIZE = 64
-WORKLOADS = ("fresh", "multi_turn", "shared_system")
-COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
 #: Texts the rate phase's prompts are made from (each request's made new by its first line).
 RATE_TEXTS = 16
-
-
-def _completion(prompt: str, stream: bool = True) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": stream,
-            **({"stream_options": {"include_usage": True}} if stream else {})}
-
-
-def _chat(messages: list[dict[str, str]]) -> dict[str, Any]:
-    return {"model": MODEL, "messages": list(messages), "max_tokens": 1, "stream": True,
-            "stream_options": {"include_usage": True}}
-
-
-def _message(role: str, content: str) -> dict[str, str]:
-    return {"role": role, "content": content}
-
-
-@dataclass(frozen=True)
-class Pair:
-    """Twin requests (see the module's doc): `direct` goes to worker `worker`, `routed` through
-    router `router`."""
-
-    direct: dict[str, Any]
-    routed: dict[str, Any]
-    worker: int
-    router: int
-
-
-class Workload(Protocol):
-    name: str
-    path: str
-
-    def warm_up(self, requested: int) -> int:
-        """Unmeasured pairs to send first, at least `requested`."""
-        ...
-
-    def pair(self, i: int) -> Pair: ...
-
-
-@dataclass
-class Fresh:
-    """A new text prompt of `tokens` tokens per request."""
-
-    prose: Prose
-    tokens: int
-    workers: int
-    routers: int
-    name: str = "fresh"
-    path: str = COMPLETIONS
-
-    def warm_up(self, requested: int) -> int:
-        return requested
-
-    def pair(self, i: int) -> Pair:
-        return Pair(_completion(self.prose.text(self.tokens)), _completion(self.prose.text(self.tokens)),
-                    i % self.workers, i % self.routers)
-
-
-@dataclass
-class SharedSystem:
-    """One system prompt for every request, and a new user question each."""
-
-    prose: Prose
-    system_tokens: int
-    question_tokens: int
-    workers: int
-    routers: int
-    name: str = "shared_system"
-    path: str = CHATS
-    system: dict[str, str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.system = _message("system", self.prose.text(self.system_tokens))
-
-    def warm_up(self, requested: int) -> int:
-        return requested
-
-    def pair(self, i: int) -> Pair:
-        direct, routed = (_chat([self.system, _message("user", self.prose.text(self.question_tokens))])
-                          for _ in range(2))
-        return Pair(direct, routed, i % self.workers, i % self.routers)
-
-
-@dataclass
-class MultiTurn:
-    """Chats taken in turn, each request a chat's next turn (see the module's doc)."""
-
-    prose: Prose
-    rng: random.Random
-    conversations: int
-    turn_tokens: int
-    conversation_tokens: int
-    workers: int
-    routers: int
-    name: str = "multi_turn"
-    path: str = CHATS
-    #: per conversation, its twin chats (direct, routed): grown alike, restarted together
-    chats: list[tuple[list[dict[str, str]], list[dict[str, str]]]] = field(init=False)
-    #: per conversation, about how many tokens each twin holds (contents and the template's markers)
-    lengths: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.chats, self.lengths = [], []
-        turns = max(1, (self.conversation_tokens - self.turn_tokens) // self._turn_cost)
-        for c in range(self.conversations):
-            self.chats.append(self._started())
-            self.lengths.append(self.turn_tokens)
-            for _ in range(self.rng.randrange(turns)):
-                self._extend(c)
-
-    @property
-    def _answer_tokens(self) -> int:
-        return max(1, self.turn_tokens // 4)
-
-    @property
-    def _turn_cost(self) -> int:
-        # a user turn, the answer before it, and the three markers they add (<｜User｜>,
-        # <｜Assistant｜> and the answer's EOS)
-        return self.turn_tokens + self._answer_tokens + 3
-
-    def _started(self) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-        return ([_message("system", self.prose.text(self.turn_tokens))],
-                [_message("system", self.prose.text(self.turn_tokens))])
-
-    def _extend(self, c: int) -> None:
-        if self.lengths[c] + self._turn_cost > self.conversation_tokens:
-            self.chats[c], self.lengths[c] = self._started(), self.turn_tokens
-        for messages in self.chats[c]:
-            if messages[-1]["role"] == "user":
-                messages.append(_message("assistant", self.prose.text(self._answer_tokens)))
-            messages.append(_message("user", self.prose.text(self.turn_tokens)))
-        self.lengths[c] += self._turn_cost
-
-    def warm_up(self, requested: int) -> int:
-        # each chat once, so its history is in the caches before it is measured
-        return max(requested, self.conversations)
-
-    def pair(self, i: int) -> Pair:
-        c = i % self.conversations
-        self._extend(c)
-        direct, routed = self.chats[c]
-        # a chat's turns reach the same replica: its piece cache is the replica's own
-        return Pair(_chat(direct), _chat(routed), c % self.workers, c % self.routers)
-
-
-def _workloads(names: list[str], tokenizer: PlainTokenizer, args, workers: int, routers: int) -> list[Workload]:
-    def prose(name: str) -> Prose:  # each workload its own seeded text, whichever others run
-        return Prose(random.Random(f"{args.seed}:{name}"), tokenizer.raw)
-
-    def made(name: str) -> Workload:
-        if name == "fresh":
-            return Fresh(prose(name), tokenizer.text_tokens(args.prompt_tokens), workers, routers)
-        if name == "multi_turn":
-            return MultiTurn(prose(name), random.Random(f"{args.seed}:lengths"), args.conversations,
-                             args.turn_tokens, args.conversation_tokens, workers, routers)
-        return SharedSystem(prose(name), args.system_tokens, args.question_tokens, workers, routers)
-
-    return [made(name) for name in names]
 
 
 @dataclass
@@ -278,8 +121,8 @@ def _growth(before: list[str], after: list[str], name: str, **labels: str) -> fl
 
 
 async def _measure_workload(session, workload: Workload, workers: list[str], routers: list[str],
-                            tokenizer: PlainTokenizer, args) -> dict[str, Any]:
-    warm_up = workload.warm_up(args.warm_up)
+                            tokenizer: PlainTokenizer, bench: ProxyBench) -> dict[str, Any]:
+    warm_up = workload.warm_up(bench.warm_up)
     for i in range(warm_up):  # connections, code paths and caches warm
         pair = workload.pair(i)
         await _timed(session, workers[pair.worker], workload.path, pair.direct)
@@ -289,7 +132,7 @@ async def _measure_workload(session, workload: Workload, workers: list[str], rou
     routed: list[Timed] = []
     counted: list[int] = []
     floor_s: list[float] = []
-    for k in range(args.requests):
+    for k in range(bench.requests):
         pair = workload.pair(warm_up + k)
         to_worker = _timed(session, workers[pair.worker], workload.path, pair.direct)
         to_router = _timed(session, routers[pair.router], workload.path, pair.routed)
@@ -347,35 +190,40 @@ def _fresh_bodies(texts: list[str]) -> Callable[[], bytes]:
 
     def body() -> bytes:
         n = next(serial)
-        return json.dumps(_completion(f"Request {n}.\n\n{texts[n % len(texts)]}", stream=False)).encode()
+        return json.dumps(completion(MODEL, f"Request {n}.\n\n{texts[n % len(texts)]}", stream=False)).encode()
 
     return body
 
 
-async def _measure(workers: list[str], routers: list[str], folder: str, names: list[str], args) -> dict[str, Any]:
+async def _measure(workers: list[str], routers: list[str], folder: str, names: list[str],
+                   bench: ProxyBench) -> dict[str, Any]:
     import aiohttp
 
     tokenizer = PlainTokenizer.load(folder)
-    workloads = _workloads(names, tokenizer, args, len(workers), len(routers))
-    rate_prose = Prose(random.Random(f"{args.seed}:rate"), tokenizer.raw)
+    workloads = proxy_workloads(
+        names, tokenizer, model=MODEL, seed=bench.seed, workers=len(workers), routers=len(routers),
+        prompt_tokens=bench.prompt_tokens, conversations=bench.conversations, turn_tokens=bench.turn_tokens,
+        conversation_tokens=bench.conversation_tokens, system_tokens=bench.system_tokens,
+        question_tokens=bench.question_tokens)
+    rate_prose = Prose(random.Random(f"{bench.seed}:rate"), tokenizer.raw)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        measured = {w.name: await _measure_workload(session, w, workers, routers, tokenizer, args) for w in workloads}
-        body = _fresh_bodies([rate_prose.text(tokenizer.text_tokens(args.prompt_tokens)) for _ in range(RATE_TEXTS)])
-        direct_rate = await closed_loop_rate(session, workers, COMPLETIONS, body, args.concurrency, args.seconds)
-        per_replica = [await closed_loop_rate(session, [router], COMPLETIONS, body, args.concurrency, args.seconds)
+        measured = {w.name: await _measure_workload(session, w, workers, routers, tokenizer, bench) for w in workloads}
+        body = _fresh_bodies([rate_prose.text(tokenizer.text_tokens(bench.prompt_tokens)) for _ in range(RATE_TEXTS)])
+        direct_rate = await closed_loop_rate(session, workers, COMPLETIONS, body, bench.concurrency, bench.seconds)
+        per_replica = [await closed_loop_rate(session, [router], COMPLETIONS, body, bench.concurrency, bench.seconds)
                        for router in routers]
-        all_replicas = (await closed_loop_rate(session, routers, COMPLETIONS, body, args.concurrency, args.seconds)
+        all_replicas = (await closed_loop_rate(session, routers, COMPLETIONS, body, bench.concurrency, bench.seconds)
                         if len(routers) > 1 else per_replica[0])
         metrics = await _scrape(session, routers)
     return {
-        "prompt_tokens": args.prompt_tokens, "requests": args.requests, "workers": len(workers),
-        "replicas": len(routers), "hand_over_token_ids": args.hand_over_token_ids,
+        "prompt_tokens": bench.prompt_tokens, "requests": bench.requests, "workers": len(workers),
+        "replicas": len(routers), "hand_over_token_ids": bench.hand_over_token_ids,
         # continuity with the single-workload bench: its figures were the fresh prompts'
         **{key: value for key, value in measured.get("fresh", {}).items() if key not in ("requests", "warm_up")},
         "workloads": measured,
         "direct_requests_per_s": direct_rate,
         "requests_per_s_per_replica": per_replica, "requests_per_s_all_replicas": all_replicas,
-        "concurrency": args.concurrency,
+        "concurrency": bench.concurrency,
         "tokenizer_mismatches": sum(metric_sum(text, "router_tokenizer_checks_total", outcome="mismatch")
                                     for text in metrics),
         "token_ids_handed_over": sum(metric_sum(text, "router_token_ids_handed_over_total") for text in metrics),
@@ -391,22 +239,22 @@ def _workload_names(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def run_proxy_bench(args) -> int:
+def run_proxy_bench(bench: ProxyBench) -> int:
     from kvtier.testing.model_tokenizers import write_deepseek_tokenizer
     from kvtier.testing.processes import work_folder
     from kvtier.testing.proxy_stack import proxy_stack
 
-    names = _workload_names(args.workloads)
-    longest = max(args.prompt_tokens, args.conversation_tokens, args.system_tokens + args.question_tokens)
+    names = _workload_names(bench.workloads)
+    longest = max(bench.prompt_tokens, bench.conversation_tokens, bench.system_tokens + bench.question_tokens)
     with work_folder("kvtier-bench-proxy-", "kvtier bench proxy") as work:
         tokenizer = write_deepseek_tokenizer(os.path.join(work, "tokenizer"))
         router_flags = ["--max-request-tokens", str(max(longest * 2, 1 << 18)),
-                        *(["--hand-over-token-ids"] if args.hand_over_token_ids else [])]
-        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, args.workers, args.replicas, router_flags,
+                        *(["--hand-over-token-ids"] if bench.hand_over_token_ids else [])]
+        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, bench.workers, bench.replicas, router_flags,
                          sim_flags=["--device-pages", "65536"]) as stack:
-            results = asyncio.run(_measure(stack.workers, stack.routers, tokenizer, names, args))
+            results = asyncio.run(_measure(stack.workers, stack.routers, tokenizer, names, bench))
     _print(results)
-    if args.json:
+    if bench.json:
         print(json.dumps(results))
     return 0
 
@@ -420,12 +268,10 @@ def _print(r: dict[str, Any]) -> None:
                   else "target p50 <= 2, p99 <= 5")
         print(f"  {name} (prompts of {w['prompt_tokens_p50']:.0f} tokens at the median, {w['prompt_tokens_max']} "
               f"at most; {w['warm_up']} pairs of warm-up)")
-        print(f"    TTFT direct to a worker (nothing added): p50 {w['direct_ttft_p50_ms']:.2f} ms, "
-              f"p99 {w['direct_ttft_p99_ms']:.2f} ms")
-        print(f"    TTFT through a router:                   p50 {w['routed_ttft_p50_ms']:.2f} ms, "
-              f"p99 {w['routed_ttft_p99_ms']:.2f} ms")
-        print(f"    added by the proxy, pair by pair:        p50 {w['added_ttft_p50_ms']:.2f} ms, "
-              f"p99 {w['added_ttft_p99_ms']:.2f} ms ({target})")
+        for label, key, note in (("TTFT direct to a worker (nothing added):", "direct", ""),
+                                 ("TTFT through a router:", "routed", ""),
+                                 ("added by the proxy, pair by pair:", "added", f" ({target})")):
+            print(f"    {label:<40} p50 {w[key + '_ttft_p50_ms']:.2f} ms, p99 {w[key + '_ttft_p99_ms']:.2f} ms{note}")
         print(f"    the router's own time (X-Kvtier-Router-Ms): p50 {w['router_time_p50_ms']:.2f} ms, "
               f"p99 {w['router_time_p99_ms']:.2f} ms; of which tokenizing {w['tokenize_mean_ms']:.2f} ms and "
               f"deciding {w['decision_mean_ms']:.2f} ms on average")

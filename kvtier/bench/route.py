@@ -50,6 +50,7 @@ from typing import Any
 import msgspec
 import redis
 
+from kvtier.bench.settings import RouteBench
 from kvtier.harness.embedded import RedisServer
 from kvtier.plumbing.connections import redis_async_client
 from kvtier.schemas.changes import TierChange
@@ -119,6 +120,26 @@ async def _wait_index_ready(router, tokens: list[int], model: str = MODEL, timeo
         await asyncio.sleep(0.005)
 
 
+def _router(client, rng: random.Random, shared_pool=None, source: str = "index"):
+    """A router core as a replica builds it, reading overlaps from `source` (index or redis)."""
+    from kvtier.router.core import Router, RouterSettings
+    from kvtier.router.metrics import RouterMetrics
+    from kvtier.router.settings import StateSource
+
+    return Router(client, RouterSettings(shared_cache=shared_pool is not None, state_source=StateSource(source)),
+                  RouterMetrics(), shared_pool=shared_pool, rng=rng)
+
+
+async def _decide(router, tokens: list[int], request_id: str) -> tuple[float, bool]:
+    """One booked decision, released at once: its latency, and whether it walked in Redis for
+    want of an index."""
+    start = time.perf_counter()
+    outcome = await router.route(RouteRequest(model=MODEL, token_ids=tokens, request_id=request_id))
+    took = time.perf_counter() - start
+    await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
+    return took, NOT_READY in outcome.response.degraded
+
+
 async def _in_process(state: ConversationState, redis_url: str, requests: list[int], concurrency: int,
                       shared_pool=None, sources: tuple[str, ...] = ("index",), keep: dict | None = None,
                       block: int = 250) -> dict[str, dict[str, float]]:
@@ -129,16 +150,8 @@ async def _in_process(state: ConversationState, redis_url: str, requests: list[i
     `concurrency` concurrent loops. A router reading an index is measured only once its index
     is ready; decisions that still walked in Redis are counted. `keep`: receives the model's
     index (`"index"`) once measured."""
-
-    from kvtier.router.core import Router, RouterSettings
-    from kvtier.router.metrics import RouterMetrics
-    from kvtier.router.settings import StateSource
-
     client = redis_async_client(redis_url)
-    routers = {source: Router(client, RouterSettings(shared_cache=shared_pool is not None,
-                                                     state_source=StateSource(source)),
-                              RouterMetrics(), shared_pool=shared_pool, rng=random.Random(1))
-               for source in sources}
+    routers = {source: _router(client, random.Random(1), shared_pool, source) for source in sources}
     try:
         results: dict[str, dict[str, float]] = {source: {} for source in sources}
         for source, router in routers.items():
@@ -150,29 +163,36 @@ async def _in_process(state: ConversationState, redis_url: str, requests: list[i
             for _ in range(20):
                 await router.route(warm)
         cost = RedisCost(client)
-        latencies: dict[str, list[float]] = {source: [] for source in sources}
-        spent = {source: [0.0, 0.0] for source in sources}
         not_ready = dict.fromkeys(sources, 0)
-
         numbered = list(enumerate(requests))
 
-        def turns(size: int):
+        async def turns(size: int, loops: int, tag: str):
+            """Every request decided once, in blocks of `size` the sources take in turn, by `loops`
+            concurrent loops: per source the latencies, and the Redis time, Redis CPU and seconds spent."""
+            took: dict[str, list[float]] = {source: [] for source in sources}
+            spent = {source: [0.0, 0.0, 0.0] for source in sources}
             for k, first in enumerate(range(0, len(requests), size)):
                 for source in (sources if k % 2 == 0 else sources[::-1]):
-                    yield source, routers[source], numbered[first:first + size]
+                    queue = numbered[first:first + size][::-1]
 
-        for source, router, chunk in turns(block):
-            before = await cost.snapshot_async()
-            for i, conv in chunk:
-                start = time.perf_counter()
-                outcome = await router.route(RouteRequest(model=MODEL, token_ids=state.conversations[conv],
-                                                          request_id=f"{source}-seq-{i}"))
-                latencies[source].append(time.perf_counter() - start)
-                not_ready[source] += NOT_READY in outcome.response.degraded
-                await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
-            after = await cost.snapshot_async()
-            spent[source][0] += after[0] - before[0]
-            spent[source][1] += after[1] - before[1]
+                    async def client_loop(source=source, queue=queue):
+                        while queue:
+                            i, conv = queue.pop()
+                            latency, walked = await _decide(routers[source], state.conversations[conv],
+                                                            f"{source}-{tag}-{i}")
+                            took[source].append(latency)
+                            not_ready[source] += walked
+
+                    before = await cost.snapshot_async()
+                    start = time.perf_counter()
+                    await asyncio.gather(*(client_loop() for _ in range(loops)))
+                    elapsed = time.perf_counter() - start
+                    after = await cost.snapshot_async()
+                    for n, value in enumerate((after[0] - before[0], after[1] - before[1], elapsed)):
+                        spent[source][n] += value
+            return took, spent
+
+        latencies, spent = await turns(block, 1, "seq")
         hashing = []
         for conv in requests[:200]:
             start = time.perf_counter()
@@ -186,31 +206,12 @@ async def _in_process(state: ConversationState, redis_url: str, requests: list[i
             # its follower's reads too): what caps one model's decisions per Redis shard.
             out.update(RedisCost.per_decision((spent[source][0], spent[source][1]), len(requests)))
             out["redis_ms_per_decision"] = round(out["redis_cpu_us_per_decision"] / 1000, 4)
-
-        elapsed = dict.fromkeys(sources, 0.0)
-        concurrent_spent = dict.fromkeys(sources, 0.0)
-        for source, router, chunk in turns(max(2 * block, 20 * concurrency)):
-            queue = chunk[::-1]
-
-            async def client_loop(source=source, router=router, queue=queue):
-                while queue:
-                    i, conv = queue.pop()
-                    outcome = await router.route(RouteRequest(model=MODEL, token_ids=state.conversations[conv],
-                                                              request_id=f"{source}-par-{i}"))
-                    not_ready[source] += NOT_READY in outcome.response.degraded
-                    await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
-
-            before = await cost.snapshot_async()
-            start = time.perf_counter()
-            await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-            elapsed[source] += time.perf_counter() - start
-            concurrent_spent[source] += (await cost.snapshot_async())[0] - before[0]
+        _, concurrent = await turns(max(2 * block, 20 * concurrency), concurrency, "par")
         for source, router in routers.items():
-            results[source]["decisions_per_s"] = round(len(requests) / elapsed[source])
+            results[source]["decisions_per_s"] = round(len(requests) / concurrent[source][2])
             # The same with `concurrency` decisions in flight, beside the sequential figure: what
             # Redis pays per decision when a replica is busy.
-            results[source]["redis_cpu_us_per_decision_concurrent"] = round(
-                concurrent_spent[source] / len(requests), 1)
+            results[source]["redis_cpu_us_per_decision_concurrent"] = round(concurrent[source][0] / len(requests), 1)
             if router.indexes is not None:
                 results[source]["index_not_ready_decisions"] = not_ready[source]
                 model_index = router.indexes.models[ModelKeys.for_model(MODEL).model_token]
@@ -272,14 +273,9 @@ def _index_memory(holdings: Holdings) -> dict[str, float]:
 
 async def _bootstrap(redis_url: str, tokens: list[int]) -> dict[str, float]:
     """A router created on the big state: time to its first decision read from its index."""
-
-    from kvtier.router.core import Router, RouterSettings
-    from kvtier.router.metrics import RouterMetrics
-    from kvtier.router.settings import StateSource
-
     client = redis_async_client(redis_url)
     started = time.perf_counter()
-    router = Router(client, RouterSettings(state_source=StateSource.INDEX), RouterMetrics(), rng=random.Random(1))
+    router = _router(client, random.Random(1))
     try:
         not_ready = await _wait_index_ready(router, tokens, SCALE_MODEL)
         elapsed = time.perf_counter() - started
@@ -293,14 +289,14 @@ async def _bootstrap(redis_url: str, tokens: list[int]) -> dict[str, float]:
 
 
 # --- index lag under a write load ----------------------------------------------------------
-async def _index_lag(redis_url: str, args) -> dict[str, object]:
+async def _index_lag(redis_url: str, bench: RouteBench) -> dict[str, object]:
 
     from kvtier.router.index_feed import ModelIndex
 
     ctx = multiprocessing.get_context("spawn")
     ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=lag_writer, args=(redis_url, LAG_MODEL, args.lag_rate, args.lag_seconds, args.workers,
-                                                 args.request_pages, args.seed, ready, go, out), daemon=True)
+    proc = ctx.Process(target=lag_writer, args=(redis_url, LAG_MODEL, bench.lag_rate, bench.lag_seconds, bench.workers,
+                                                 bench.request_pages, bench.seed, ready, go, out), daemon=True)
     proc.start()
     client = redis_async_client(redis_url)
     lags_ms: list[float] = []
@@ -320,7 +316,7 @@ async def _index_lag(redis_url: str, args) -> dict[str, object]:
             await asyncio.sleep(0.01)
         lags_ms.clear()
         go.set()
-        written = await asyncio.to_thread(out.get, True, args.lag_seconds + 60)
+        written = await asyncio.to_thread(out.get, True, bench.lag_seconds + 60)
         last = await client.xrevrange(follower.keys.changes, count=1)
         last_id = last[0][0].decode() if last else "0-0"
         deadline = time.monotonic() + 10
@@ -338,7 +334,7 @@ async def _index_lag(redis_url: str, args) -> dict[str, object]:
             "index_lag_max_ms": round(max(lags_ms), 2),
             "index_lag_entries": len(lags_ms),
             "index_lag_transitions_per_s": round(written["transitions"] / written["elapsed_s"]),
-            "index_lag_target_per_s": args.lag_rate,
+            "index_lag_target_per_s": bench.lag_rate,
             "index_lag_batches": written["batches"], "index_lag_batches_applied": written["statuses"].get("APPLIED", 0),
             "index_lag_behind_at_end": behind, "index_bootstraps_during_lag": follower.bootstraps - 1}
 
@@ -349,14 +345,8 @@ def _replica(redis_url: str, conversations: list[list[int]], requests: list[int]
     import uvloop
 
     async def main():
-
-        from kvtier.router.core import Router, RouterSettings
-        from kvtier.router.metrics import RouterMetrics
-        from kvtier.router.settings import StateSource
-
         client = redis_async_client(redis_url)
-        router = Router(client, RouterSettings(state_source=StateSource.INDEX), RouterMetrics(),
-                        rng=random.Random(name))
+        router = _router(client, random.Random(name))
         try:
             await _wait_index_ready(router, conversations[0])
             for _ in range(20):
@@ -372,10 +362,7 @@ def _replica(redis_url: str, conversations: list[list[int]], requests: list[int]
                 nonlocal done, not_ready
                 while time.perf_counter() < deadline:
                     i = next(turn)
-                    outcome = await router.route(RouteRequest(
-                        model=MODEL, token_ids=conversations[requests[i % len(requests)]], request_id=f"{name}-{i}"))
-                    not_ready += NOT_READY in outcome.response.degraded
-                    await router.release(MODEL, outcome.response.request_id, ReleaseStage.COMPLETE)
+                    not_ready += (await _decide(router, conversations[requests[i % len(requests)]], f"{name}-{i}"))[1]
                     done += 1
 
             await asyncio.gather(*(client_loop() for _ in range(concurrency)))
@@ -387,14 +374,14 @@ def _replica(redis_url: str, conversations: list[list[int]], requests: list[int]
     uvloop.run(main())
 
 
-def _replicas(state: ConversationState, redis_url: str, requests: list[int], args) -> dict[str, object]:
-    """`args.replicas` router processes, each with its own index, deciding concurrently for
-    `args.replica_seconds` against the same Redis."""
-    n = args.replicas
+def _replicas(state: ConversationState, redis_url: str, requests: list[int], bench: RouteBench) -> dict[str, object]:
+    """`bench.replicas` router processes, each with its own index, deciding concurrently for
+    `bench.replica_seconds` against the same Redis."""
+    n = bench.replicas
     ctx = multiprocessing.get_context("spawn")
     ready, go, out = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_replica, args=(redis_url, state.conversations, requests, args.concurrency,
-                                                args.replica_seconds, f"r{k}", ready, go, out), daemon=True)
+    procs = [ctx.Process(target=_replica, args=(redis_url, state.conversations, requests, bench.concurrency,
+                                                bench.replica_seconds, f"r{k}", ready, go, out), daemon=True)
              for k in range(n)]
     for proc in procs:
         proc.start()
@@ -404,7 +391,7 @@ def _replicas(state: ConversationState, redis_url: str, requests: list[int], arg
         cost = RedisCost(client)
         before = cost.snapshot()
         go.set()
-        results = [out.get(timeout=args.replica_seconds + 120) for _ in procs]
+        results = [out.get(timeout=bench.replica_seconds + 120) for _ in procs]
         after = cost.snapshot()
         done = sum(r["done"] for r in results)
         spent = RedisCost.per_decision((after[0] - before[0], after[1] - before[1]), done)
@@ -418,14 +405,14 @@ def _replicas(state: ConversationState, redis_url: str, requests: list[int], arg
             "replicas_index_not_ready_decisions": sum(r["not_ready"] for r in results)}
 
 
-def run_route_bench(args) -> int:
-    rng = random.Random(args.seed)
-    state = ConversationState(rng, args.page_size, args.request_pages, args.conversations, args.workers,
-                              args.conversations_per_worker, args.noise_pages)
-    requests = [rng.randrange(args.conversations) for _ in range(args.decisions)]
+def run_route_bench(bench: RouteBench) -> int:
+    rng = random.Random(bench.seed)
+    state = ConversationState(rng, bench.page_size, bench.request_pages, bench.conversations, bench.workers,
+                              bench.conversations_per_worker, bench.noise_pages)
+    requests = [rng.randrange(bench.conversations) for _ in range(bench.decisions)]
     results: dict[str, Any] = {
-        "workers": args.workers, "request_pages": args.request_pages, "page_size": args.page_size,
-        "decisions": args.decisions,
+        "workers": bench.workers, "request_pages": bench.request_pages, "page_size": bench.page_size,
+        "decisions": bench.decisions,
     }
     import uvloop
 
@@ -435,10 +422,10 @@ def run_route_bench(args) -> int:
     keep: dict = {}
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
-        entries = state.seed(client, MODEL, rng, MooncakeLayout() if args.shared_pool else None)
+        entries = state.seed(client, MODEL, rng, MooncakeLayout() if bench.shared_pool else None)
         results["page_tier_entries"] = entries
-        say(f"seeded {args.workers} workers, {entries:,} page-tier entries")
-        both = uvloop.run(_in_process(state, server.url, requests, args.concurrency, sources=("index", "redis"),
+        say(f"seeded {bench.workers} workers, {entries:,} page-tier entries")
+        both = uvloop.run(_in_process(state, server.url, requests, bench.concurrency, sources=("index", "redis"),
                                       keep=keep))
         plain, walked = both["index"], both["redis"]
         results.update(plain)
@@ -452,23 +439,23 @@ def run_route_bench(args) -> int:
         say(f"in-process, walk in Redis: p50 {walked['p50_ms']} ms, p99 {walked['p99_ms']} ms, "
             f"{walked['decisions_per_s']} decisions/s, Redis CPU {walked['redis_cpu_us_per_decision']} us/decision")
         results.update(_lookup(state, keep.pop("index"), requests))
-        say(f"index lookup (hash + overlaps, {args.workers} workers): p50 {results['lookup_p50_ms']} ms, "
+        say(f"index lookup (hash + overlaps, {bench.workers} workers): p50 {results['lookup_p50_ms']} ms, "
             f"p99 {results['lookup_p99_ms']} ms; overlaps alone p50 {results['walk_p50_ms']} ms")
-        if args.replicas > 1:
-            rep = _replicas(state, server.url, requests, args)
+        if bench.replicas > 1:
+            rep = _replicas(state, server.url, requests, bench)
             results.update(rep)
-            say(f"{args.replicas} router processes: {rep['replicas_decisions_per_s']} decisions/s in all "
+            say(f"{bench.replicas} router processes: {rep['replicas_decisions_per_s']} decisions/s in all "
                 f"{rep['replicas_decisions_per_s_each']}, Redis CPU {rep['replicas_redis_cpu_us_per_decision']} "
                 "us/decision")
-        if args.shared_pool:
-            shared = _with_shared_pool(state, server.url, requests, args)
+        if bench.shared_pool:
+            shared = _with_shared_pool(state, server.url, requests, bench)
             results.update({f"shared_{k}": v for k, v in shared.items()})
-        if not args.no_http:
-            http = _http_rate(state, server.url, requests, args)
+        if not bench.no_http:
+            http = _http_rate(state, server.url, requests, bench)
             results.update(http)
         client.close()
-    if args.scale_entries or args.lag_rate:
-        _at_scale(args, results, say)
+    if bench.scale_entries or bench.lag_rate:
+        _at_scale(bench, results, say)
     dynamo = _dynamo_find_matches(state, requests)
     if dynamo:
         results.update(dynamo)
@@ -477,46 +464,47 @@ def run_route_bench(args) -> int:
     else:
         say("Dynamo side-by-side skipped: pip install -e '.[bench-dynamo]'")
     _print_table(results)
-    if args.json:
+    if bench.json:
         print(json.dumps(results))
     return 0
 
 
-def _at_scale(args, results: dict, say) -> None:
+def _at_scale(bench: RouteBench, results: dict, say) -> None:
     """The 1M-entry index (memory, bootstrap) and the lag under writes, on a Redis server of
     their own (the routers above never see these models)."""
     import uvloop
 
-    if args.scale_entries:
-        holdings = scale_holdings(random.Random(args.seed), args.workers, args.scale_entries)
+    if bench.scale_entries:
+        holdings = scale_holdings(random.Random(bench.seed), bench.workers, bench.scale_entries)
         memory = _index_memory(holdings)
         results.update(memory)
         say(f"index at scale: {memory['index_scale_entries']:,} entries ({memory['index_scale_pages']:,} pages), "
             f"{memory['index_bytes_per_entry']} bytes/entry ({memory['index_scale_mib']} MiB; peak while "
             f"building {memory['index_peak_bytes_per_entry']} bytes/entry)")
     with RedisServer() as server:
-        if args.scale_entries:
+        if bench.scale_entries:
             client = redis.Redis.from_url(server.url)
             started = time.perf_counter()
-            seed_holdings(client, SCALE_MODEL, holdings, args.page_size)
+            seed_holdings(client, SCALE_MODEL, holdings, bench.page_size)
             client.close()
             del holdings
             say(f"seeded {SCALE_MODEL} in {time.perf_counter() - started:.1f}s")
-            tokens = [random.Random(args.seed).randrange(1, 150_000)
-                      for _ in range(args.request_pages * args.page_size)]
+            tokens = [random.Random(bench.seed).randrange(1, 150_000)
+                      for _ in range(bench.request_pages * bench.page_size)]
             boot = uvloop.run(_bootstrap(server.url, tokens))
             results.update(boot)
             say(f"bootstrap: {boot['bootstrap_entries_1m']:,} entries, first decision from the index "
                 f"{boot['bootstrap_s_1m']} s after Router() (the bootstrap itself {boot['bootstrap_last_s_1m']} s)")
-        if args.lag_rate:
-            lag = uvloop.run(_index_lag(server.url, args))
+        if bench.lag_rate:
+            lag = uvloop.run(_index_lag(server.url, bench))
             results.update(lag)
             say(f"index lag at {lag['index_lag_transitions_per_s']:,} transitions/s: p50 {lag['index_lag_p50_ms']} "
                 f"ms, p99 {lag['index_lag_p99_ms']} ms, max {lag['index_lag_max_ms']} ms over "
                 f"{lag['index_lag_entries']} entries (stream ids: ms resolution)")
 
 
-def _with_shared_pool(state: ConversationState, redis_url: str, requests: list[int], args) -> dict[str, float]:
+def _with_shared_pool(state: ConversationState, redis_url: str, requests: list[int],
+                      bench: RouteBench) -> dict[str, float]:
     from kvtier.harness.mooncake import MooncakeMaster, SharedPoolWriter, in_private_netns
 
     if not in_private_netns():
@@ -539,7 +527,7 @@ def _with_shared_pool(state: ConversationState, redis_url: str, requests: list[i
             async def run():
                 pool = SharedPoolClient(master.http_url, timeout_s=0.5)
                 try:
-                    return (await _in_process(state, redis_url, requests, args.concurrency,
+                    return (await _in_process(state, redis_url, requests, bench.concurrency,
                                               shared_pool=pool))["index"]
                 finally:
                     await pool.close()
@@ -577,7 +565,7 @@ async def _http_load(base: str, bodies: list[tuple[str, bytes]], concurrency: in
         return time.perf_counter() - start, latencies
 
 
-def _http_rate(state: ConversationState, redis_url: str, requests: list[int], args) -> dict[str, float]:
+def _http_rate(state: ConversationState, redis_url: str, requests: list[int], bench: RouteBench) -> dict[str, float]:
     """Decisions/s through a `kvtier router` process over loopback HTTP (booked, then released),
     and the same client against a bare aiohttp + msgspec server of the same bodies
     (kvtier/testing/bare_http.py): the router's rate as a fraction of what its HTTP stack can
@@ -591,9 +579,9 @@ def _http_rate(state: ConversationState, redis_url: str, requests: list[int], ar
     bare, bare_url = start_bare_http(logs)
     procs = [proc, bare]
     targets = {"router": router_url, "bare": bare_url}
-    if args.http_processes > 1:
+    if bench.http_processes > 1:
         multi, targets["processes"] = start_router(logs, "router-processes", redis_url,
-                                                   [*QUIET, "--processes", str(args.http_processes)])
+                                                   [*QUIET, "--processes", str(bench.http_processes)])
         procs.append(multi)
     token = ModelKeys.for_model(MODEL).model_token
     try:
@@ -615,7 +603,7 @@ def _http_rate(state: ConversationState, redis_url: str, requests: list[int], ar
                         await wait_index_ready(session, targets[name], token, procs)
             spent: dict[str, list] = {name: [0.0, []] for name in targets}
             for k, name in enumerate(order):
-                elapsed, latencies = await _http_load(targets[name], bodies(f"h{k}"), args.http_concurrency)
+                elapsed, latencies = await _http_load(targets[name], bodies(f"h{k}"), bench.http_concurrency)
                 spent[name][0] += elapsed
                 spent[name][1] += latencies
             return spent
@@ -630,17 +618,43 @@ def _http_rate(state: ConversationState, redis_url: str, requests: list[int], ar
         say = f"{rate['router']} decisions/s"
         if "processes" in rate:
             many = _summary(spent["processes"][1])
-            result.update({"http_processes": args.http_processes, "http_processes_decisions_per_s": rate["processes"],
+            result.update({"http_processes": bench.http_processes, "http_processes_decisions_per_s": rate["processes"],
                            "http_processes_p50_ms": many["p50_ms"], "http_processes_p99_ms": many["p99_ms"],
                            "http_processes_vs_one": round(rate["processes"] / rate["router"], 3)})
-            say += f", {rate['processes']} with --processes {args.http_processes}"
-        print(f"over HTTP ({args.http_concurrency} concurrent, route + release each): {say}; a bare aiohttp + "
+            say += f", {rate['processes']} with --processes {bench.http_processes}"
+        print(f"over HTTP ({bench.http_concurrency} concurrent, route + release each): {say}; a bare aiohttp + "
               f"msgspec server of the same bodies {rate['bare']}/s (one process at {result['http_vs_bare']:.0%} "
               "of it)", file=sys.stderr)
         return result
     finally:
         for p in procs:
             p.stop()
+
+
+#: The table's rows for the parts that ran: (a key they wrote, label, value), each formatted
+#: with the results.
+_MORE_ROWS = (
+    ("lookup_p50_ms", "index lookup p50 / p99 (ms, hash + overlaps)", "{lookup_p50_ms} / {lookup_p99_ms}"),
+    ("lookup_p50_ms", "index overlaps alone p50 / p99 (ms)", "{walk_p50_ms} / {walk_p99_ms}"),
+    ("replicas_decisions_per_s", "{replicas} router processes: decisions/s (each)",
+     "{replicas_decisions_per_s} {replicas_decisions_per_s_each}"),
+    ("replicas_decisions_per_s", "  Redis time / process CPU per decision (us)",
+     "{replicas_redis_cpu_us_per_decision} / {replicas_redis_process_cpu_us_per_decision}"),
+    ("shared_p50_ms", "with shared pool p50 / p99 (ms)", "{shared_p50_ms} / {shared_p99_ms}"),
+    ("shared_p50_ms", "with shared pool decisions/s", "{shared_decisions_per_s}"),
+    ("http_decisions_per_s", "over HTTP decisions/s (bare aiohttp + msgspec server)",
+     "{http_decisions_per_s} ({bare_http_per_s}/s, {http_vs_bare:.0%})"),
+    ("http_processes_decisions_per_s", "over HTTP with --processes {http_processes} decisions/s (x one)",
+     "{http_processes_decisions_per_s} ({http_processes_vs_one}x)"),
+    ("http_processes_decisions_per_s", "over HTTP p50 / p99 (ms)", "{http_p50_ms} / {http_p99_ms}"),
+    ("index_bytes_per_entry", "index bytes per entry (entries)", "{index_bytes_per_entry} ({index_scale_entries:,})"),
+    ("bootstrap_s_1m", "bootstrap to first index decision (s, entries)",
+     "{bootstrap_s_1m} ({bootstrap_entries_1m:,}; bootstrap {bootstrap_last_s_1m})"),
+    ("index_lag_p50_ms", "index lag p50 / p99 (ms) at transitions/s",
+     "{index_lag_p50_ms} / {index_lag_p99_ms} at {index_lag_transitions_per_s:,}"),
+    ("dynamo_find_matches_p50_ms", "Dynamo find_matches p50 / p99 (ms)",
+     "{dynamo_find_matches_p50_ms} / {dynamo_find_matches_p99_ms}"),
+)
 
 
 def _print_table(results: dict) -> None:
@@ -656,41 +670,7 @@ def _print_table(results: dict) -> None:
             ("Redis process CPU per decision (us, INFO cpu)", both("redis_process_cpu_us_per_decision")),
             ("measured decisions not from the index", results.get("index_not_ready_decisions", "-")),
             ("request hashing p50 (ms)", results["hashing_p50_ms"])]
-    if "lookup_p50_ms" in results:
-        rows.append(("index lookup p50 / p99 (ms, hash + overlaps)",
-                     f"{results['lookup_p50_ms']} / {results['lookup_p99_ms']}"))
-        rows.append(("index overlaps alone p50 / p99 (ms)", f"{results['walk_p50_ms']} / {results['walk_p99_ms']}"))
-    if "replicas_decisions_per_s" in results:
-        rows.append((f"{results['replicas']} router processes: decisions/s (each)",
-                     f"{results['replicas_decisions_per_s']} {results['replicas_decisions_per_s_each']}"))
-        rows.append(("  Redis time / process CPU per decision (us)",
-                     f"{results['replicas_redis_cpu_us_per_decision']} / "
-                     f"{results['replicas_redis_process_cpu_us_per_decision']}"))
-    if "shared_p50_ms" in results:
-        rows.append(("with shared pool p50 / p99 (ms)", f"{results['shared_p50_ms']} / {results['shared_p99_ms']}"))
-        rows.append(("with shared pool decisions/s", results["shared_decisions_per_s"]))
-    if "http_decisions_per_s" in results:
-        rows.append(("over HTTP decisions/s (bare aiohttp + msgspec server)",
-                     f"{results['http_decisions_per_s']} ({results['bare_http_per_s']}/s, "
-                     f"{results['http_vs_bare']:.0%})"))
-    if "http_processes_decisions_per_s" in results:
-        rows.append((f"over HTTP with --processes {results['http_processes']} decisions/s (x one)",
-                     f"{results['http_processes_decisions_per_s']} ({results['http_processes_vs_one']}x)"))
-        rows.append(("over HTTP p50 / p99 (ms)", f"{results['http_p50_ms']} / {results['http_p99_ms']}"))
-    if "index_bytes_per_entry" in results:
-        rows.append(("index bytes per entry (entries)",
-                     f"{results['index_bytes_per_entry']} ({results['index_scale_entries']:,})"))
-    if "bootstrap_s_1m" in results:
-        rows.append(("bootstrap to first index decision (s, entries)",
-                     f"{results['bootstrap_s_1m']} ({results['bootstrap_entries_1m']:,}; "
-                     f"bootstrap {results['bootstrap_last_s_1m']})"))
-    if "index_lag_p50_ms" in results:
-        rows.append(("index lag p50 / p99 (ms) at transitions/s",
-                     f"{results['index_lag_p50_ms']} / {results['index_lag_p99_ms']} at "
-                     f"{results['index_lag_transitions_per_s']:,}"))
-    if "dynamo_find_matches_p50_ms" in results:
-        rows.append(("Dynamo find_matches p50 / p99 (ms)",
-                     f"{results['dynamo_find_matches_p50_ms']} / {results['dynamo_find_matches_p99_ms']}"))
+    rows += [(label.format(**results), value.format(**results)) for key, label, value in _MORE_ROWS if key in results]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

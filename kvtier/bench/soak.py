@@ -45,8 +45,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
+from kvtier.bench.settings import SOAK_PHASES, SoakBench, SoakRun
 from kvtier.eval.trace import SAMPLE_TRACE, load_trace, trace_prompt
 from kvtier.schemas.routing import ReleaseStage, RouteRequest
 from kvtier.schemas.sim import SimGenerateBody
@@ -56,12 +57,7 @@ from kvtier.testing.soak_stack import SoakStack
 from kvtier.tools import plots
 
 MODEL = "soak"
-#: (phase, share of the run). The die phase must outlast a lease (checked in SoakConfig).
-PHASES: tuple[tuple[str, float], ...] = (("steady", 0.40), ("evict", 0.12), ("refill", 0.14), ("die", 0.16),
-                                         ("tail", 0.18))
-MAX_MINUTES = 15.0
 WARM_UP_WORKER = "soak-warm-up"
-MIN_MINUTES = 0.5
 
 
 @dataclass
@@ -85,66 +81,33 @@ class Thresholds:
     max_error_share: float = 0.01
 
 
-@dataclass
-class SoakConfig:
-    minutes: float = 10.0
-    sample_s: float | None = None  # default: run/120, within [1, 10] s
-    rate: float = 10.0  # requests/s
-    sim_workers: int = 2  # processes; the last `die` of them die in the die phase
-    ranks: int = 2  # simulated workers per sim-worker process
-    die: int = 1
-    routers: int = 2
-    #: 16-token pages: 4x the page churn of 64-token ones per request, so the processor's
-    #: bounded hash-check cache (100k digests) reaches its final size within the warm-up
-    #: (~190k fresh pages, ~2 min here; ~8 min with 64-token pages)
-    page_size: int = 16
-    device_pages: int = 1024
-    host_pages: int = 4096
-    max_prompt_tokens: int = 8192
+@dataclass(kw_only=True)
+class SoakConfig(SoakRun):
+    """One soak: what the flags set (SoakRun) and the run's own settings."""
+
+    trace: str = str(SAMPLE_TRACE)
     decode_ms_per_token: float = 4.0  # a request's booking is completed after its simulated decode ...
     max_hold_s: float = 2.0  # ... at most this long after its first token
     max_inflight: int = 48
     evict_prompts: int = 32  # the evict phase's working set: this many prompts ...
     evict_prompt_pages: int = 8  # ... of this many pages
-    lease_ttl_s: float = 5.0
     heartbeat_s: float = 1.0
-    #: retention of the events and decisions streams; JetStream refuses a max age below the
-    #: events stream's duplicate window (120 s, kvtier/plumbing/streams.py)
-    stream_max_age_s: float = 120.0
-    #: trace load before the measured run (then every rank is flushed and the baseline taken):
-    #: the processes' bounded caches fill here (the processor's hash-check cache: ~190k fresh
-    #: pages to its final size)
-    warm_up_s: float = 60.0
-    trace: str = str(SAMPLE_TRACE)
-    seed: int = 1
     thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
-        if not MIN_MINUTES <= self.minutes <= MAX_MINUTES:
-            raise ValueError(f"--minutes must be within {MIN_MINUTES:g}..{MAX_MINUTES:g}, got {self.minutes:g}")
-        if not 1 <= self.die < self.sim_workers:
-            raise ValueError(f"--die must leave a survivor: 1 <= die < sim-workers ({self.sim_workers}), "
-                             f"got {self.die}")
-        if not 1 <= self.routers <= 4:
-            raise ValueError(f"--routers must be 1..4, got {self.routers}")
-        if not 0 <= self.warm_up_s <= 300:
-            raise ValueError(f"--warm-up-s must be within 0..300, got {self.warm_up_s:g}")
-        if not 0 < self.rate <= 50:
-            raise ValueError(f"--rate must be within (0, 50] requests/s (loopback load stays bounded), got {self.rate}")
+        self.validate()
         if self.sample_s is None:
             self.sample_s = min(10.0, max(1.0, self.total_s / 120))
-        die_s = self.total_s * dict(PHASES)["die"]
-        if die_s < self.lease_ttl_s + 3:
-            raise ValueError(f"the die phase ({die_s:.0f}s) must outlast a lease ({self.lease_ttl_s:g}s) by 3s: "
-                             "raise --minutes or lower --lease-ttl")
 
-    @property
-    def total_s(self) -> float:
-        return self.minutes * 60
+    @classmethod
+    def of(cls, bench: SoakBench) -> SoakConfig:
+        """The soak the flags ask for (--trace '': the sample shipped in kvtier/data)."""
+        flagged = {f.name: getattr(bench, f.name) for f in fields(SoakRun)}
+        return cls(**{**flagged, "trace": bench.trace or str(SAMPLE_TRACE)})
 
     def phase_bounds(self) -> list[tuple[str, float, float]]:
         bounds, t = [], 0.0
-        for name, share in PHASES:
+        for name, share in SOAK_PHASES:
             bounds.append((name, t, t + share * self.total_s))
             t += share * self.total_s
         return bounds
@@ -818,13 +781,8 @@ def run_soak(cfg: SoakConfig, progress=None) -> dict:
     }
 
 
-def run_soak_bench(args) -> int:
-    cfg = SoakConfig(minutes=args.minutes, sample_s=args.sample_s, rate=args.rate, sim_workers=args.sim_workers,
-                     ranks=args.ranks, die=args.die, routers=args.routers, page_size=args.page_size,
-                     device_pages=args.device_pages, host_pages=args.host_pages,
-                     max_prompt_tokens=args.max_prompt_tokens, lease_ttl_s=args.lease_ttl,
-                     stream_max_age_s=args.stream_max_age, warm_up_s=args.warm_up_s,
-                     trace=args.trace or str(SAMPLE_TRACE), seed=args.seed)
+def run_soak_bench(bench: SoakBench) -> int:
+    cfg = SoakConfig.of(bench)
     phases = cfg.phase_bounds()
     print(f"kvtier bench soak: {cfg.minutes:g} min at {cfg.rate:g} requests/s on {cfg.sim_workers} sim-workers x "
           f"{cfg.ranks} ranks ({cfg.device_pages} device + {cfg.host_pages} host pages "
@@ -842,8 +800,8 @@ def run_soak_bench(args) -> int:
         print("errors, e.g.: " + " | ".join(report["load"]["error_examples"]))
     print(f"{'PASS' if report['ok'] else 'FAIL'}: {sum(v['ok'] for v in report['verdicts'])}/{len(report['verdicts'])} "
           f"verdicts; {report['samples']} samples; took {report['seconds']:.0f}s; logs in {report['logs']}")
-    if args.plot and write_plot(report["series"], bounds, report["baseline_used_memory"], args.plot):
-        print(f"plot: {args.plot}")
-    if args.json:
+    if bench.plot and write_plot(report["series"], bounds, report["baseline_used_memory"], bench.plot):
+        print(f"plot: {bench.plot}")
+    if bench.json:
         print(json.dumps(report, separators=(",", ":")))
     return 0 if report["ok"] else 1

@@ -1,10 +1,11 @@
-"""`kvtier demo` (kvtier/eval/demo.py)."""
+"""`kvtier demo` (kvtier/eval/demo.py); its flags are DemoSettings' (kvtier/eval/settings.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvtier.commands.flags import add_cluster_arguments, add_common
+from kvtier.commands.flags import add_common, add_flags, read_settings
+from kvtier.eval.settings import DemoSettings
 
 
 def register(sub) -> None:
@@ -12,11 +13,8 @@ def register(sub) -> None:
                                     "oracle and the bounds, and a sweep of where tier awareness pays (embedded "
                                     "servers; kvtier/eval/demo.py).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_cluster_arguments(d)
+    add_flags(d, DemoSettings)
     d.set_defaults(trace="synthetic:1", requests=600, workers=4, device_pages=2048, host_pages=4096)
-    d.add_argument("--no-sweep", action="store_true", help="Skip the host-pool / L3 sweep.")
-    d.add_argument("--out", default="kvtier-demo", help="Folder for report.json and policies.png.")
-    d.add_argument("--seed", type=int, default=1)
     add_common(d)
     d.set_defaults(run=run)
 
@@ -24,4 +22,4 @@ def register(sub) -> None:
 def run(args) -> int:
     from kvtier.eval.demo import run_demo
 
-    return run_demo(args)
+    return run_demo(read_settings(DemoSettings, args))

@@ -15,6 +15,7 @@ import sys
 
 from kvtier.plumbing.log_limit import limit_log_rate
 from kvtier.plumbing.settings import SECRET_FLAG
+from kvtier.plumbing.settings import UrlListAction as UrlListAction
 from kvtier.plumbing.settings import add_flags as add_flags
 from kvtier.plumbing.settings import non_negative_float as non_negative_float
 from kvtier.plumbing.settings import non_negative_int as non_negative_int
@@ -22,8 +23,8 @@ from kvtier.plumbing.settings import partition_list as partition_list
 from kvtier.plumbing.settings import positive_float as positive_float
 from kvtier.plumbing.settings import positive_int as positive_int
 from kvtier.plumbing.settings import read_settings as read_settings
+from kvtier.plumbing.settings import url_list as url_list
 from kvtier.plumbing.settings import worker_id_text as worker_id_text
-from kvtier.sim.cost_model import add_cost_model_arguments
 
 
 def env_name(flag: str) -> str:
@@ -94,22 +95,6 @@ def _env_value(raw: str, kwargs: dict):
     return value
 
 
-def url_list(text: str) -> list[str]:
-    """One URL or several, comma-separated (for flags given more than once, or from the environment)."""
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-class UrlListAction(argparse.Action):
-    """Repeatable flag taking comma-separated URLs; the first use on the command line replaces
-    the environment's default instead of adding to it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        current = getattr(namespace, self.dest, None)
-        if current is self.default or current is None:
-            current = []
-        setattr(namespace, self.dest, [*current, *values])
-
-
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="Log verbosity.")
@@ -159,28 +144,6 @@ def configure_connections(args) -> None:
     except ValueError as exc:
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def add_cluster_arguments(p) -> None:
-    """The trace and the simulated cluster of `kvtier bench replay` and `kvtier tune`."""
-    p.add_argument("--trace", default=None,
-                   help="Trace file (Mooncake FAST'25 JSONL format, .gz too); default: the whole public conversation "
-                        "trace shipped with kvtier (kvtier/data).")
-    p.add_argument("--requests", type=positive_int, default=None, help="Only the first N requests.")
-    p.add_argument("--workers", type=positive_int, default=8, help="Simulated workers.")
-    p.add_argument("--page-size", type=positive_int, default=64, help="Tokens per KV page.")
-    p.add_argument("--device-pages", type=positive_int, default=2048, help="GPU pool per worker, in pages.")
-    p.add_argument("--host-pages", type=non_negative_int, default=16384,
-                   help="Host pool per worker, in pages (0: HiCache off).")
-    p.add_argument("--l3-pages", type=positive_int, default=None,
-                   help="Shared L3 pool, in pages (default: the workers' host pools together).")
-    p.add_argument("--no-l3", action="store_true", help="No shared L3 pool in the simulated cluster.")
-    p.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"],
-                   default="write_through")
-    p.add_argument("--dma-delay-ms", type=non_negative_float, default=2.0,
-                   help="Simulated device->host copy time before the host store event.")
-    add_cost_model_arguments(p)
-
 
 
 def interrupt(signum, frame) -> None:

@@ -1,8 +1,10 @@
-"""`kvtier inspect` (kvtier/tools/inspect.py)."""
+"""`kvtier inspect` (kvtier/tools/inspect.py). Its flags are InspectSettings' declarations
+(kvtier/tools/settings.py)."""
 
 from __future__ import annotations
 
-from kvtier.commands.flags import add_common
+from kvtier.commands.flags import add_common, add_flags, read_settings
+from kvtier.tools.settings import InspectSettings
 
 
 def register(sub) -> None:
@@ -10,10 +12,7 @@ def register(sub) -> None:
                        description="Read what the processors keep in Redis: per worker, pages on each tier, the "
                                    "applied (epoch, seq), how long ago it was applied, its lease, and whether it is "
                                    "stale.")
-    i.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0.")
-    i.add_argument("--model", default=None, help="Only this model (default: every model).")
-    i.add_argument("--worker", default=None, help="Only this worker.")
-    i.add_argument("--json", action="store_true", help="Print one JSON array instead of a table.")
+    add_flags(i, InspectSettings)
     add_common(i)
     i.set_defaults(run=run)
 
@@ -21,4 +20,4 @@ def register(sub) -> None:
 def run(args) -> int:
     from kvtier.tools.inspect import run_inspect
 
-    return run_inspect(args)
+    return run_inspect(read_settings(InspectSettings, args))

@@ -10,7 +10,8 @@ two cores.
    computed in process by the router model the tests hold to the same decisions.
 2. A sweep of where tier awareness pays and where it does not: host:device pool ratio
    0/2/4/8, with and without a shared L3 pool, round robin against kvtier and the oracle,
-   with one sentence of verdict per point.
+   with one sentence of verdict per point; then one heterogeneous point (half the workers at
+   half speed, the routers not told) with the TTFT oracle beside them.
 
 The sample: the first 600 requests of kvtier's synthetic high-reuse trace
 (kvtier/eval/synth_trace.py, seed 1), chosen because its reuse fits the demo cluster's
@@ -30,8 +31,9 @@ import time
 from dataclasses import replace
 
 from kvtier.eval.policies import KVTIER_POLICIES
-from kvtier.eval.replay import ReplaySettings, add_gap_closed, build_report, shape_from_args
+from kvtier.eval.replay import ReplaySettings, add_gap_closed, build_report
 from kvtier.eval.report import best_kvtier, format_breakdown, format_table, progress_bar, verdict
+from kvtier.eval.settings import DemoSettings
 from kvtier.eval.trace import load_trace, prepare
 from kvtier.sim.sim_cluster import ClusterShape
 from kvtier.tools import plots
@@ -76,42 +78,62 @@ def point_verdict(report: dict) -> str:
     return f"{head}; the oracle's room over round robin: {room:+.1f} points reused"
 
 
+def half_slow(workers: int) -> tuple[float, ...]:
+    """The sweep's heterogeneous cluster: the last half of the workers at half speed."""
+    return (1.0,) * (workers - workers // 2) + (0.5,) * (workers // 2)
+
+
+def _sweep_point(requests, shape: ClusterShape, seed: int, extra: tuple[str, ...] = ()) -> dict:
+    policies = ("round_robin", "device_only", "tier_aware") + (("tier_aware_shared",) if shape.l3 else ()) + (
+        "oracle", *extra)
+    report = build_report("sweep", requests, ReplaySettings(shape=shape, policies=policies, via="model", seed=seed),
+                          [seed])
+    point = {"host_ratio": shape.host_pages // shape.device_pages, "l3": shape.l3,
+             "speeds": list(shape.worker_speeds) or None, "bounds": report["bounds"],
+             "policies": {name: {k: s[k] for k in ("reused_pct", "recomputed_tokens", "ttft_p50_ms", "ttft_p99_ms",
+                                                      "gap_closed")}
+                          for name, s in report["policies"].items()}}
+    point["best"] = best_kvtier(report["policies"])
+    point["verdict"] = point_verdict(report)
+    if "ttft_oracle" in report["policies"]:
+        ours, greedy = report["policies"][point["best"]], report["policies"]["ttft_oracle"]
+        point["verdict"] += (f"; the least true TTFT, which knows each worker's speed, would reach p50 "
+                             f"{greedy['ttft_p50_ms']:.0f} ms / p99 {greedy['ttft_p99_ms']:.0f} ms against kvtier's "
+                             f"{ours['ttft_p50_ms']:.0f} / {ours['ttft_p99_ms']:.0f} ms")
+    return point
+
+
 def run_sweep(requests, base: ClusterShape, seed: int, progress=None) -> list[dict]:
+    shapes = [replace(base, host_pages=base.device_pages * ratio, l3=l3)
+              for l3 in (True, False) for ratio in SWEEP_RATIOS
+              if ratio or not l3]  # HiCache's L3 sits behind its host pool: no host pool, no L3
     points = []
-    for l3 in (True, False):
-        for ratio in SWEEP_RATIOS:
-            if ratio == 0 and l3:
-                continue  # HiCache's L3 sits behind its host pool: no host pool, no L3
-            shape = replace(base, host_pages=base.device_pages * ratio, l3=l3)
-            policies = ("round_robin", "device_only", "tier_aware") + (("tier_aware_shared",) if l3 else ()) + (
-                "oracle",)
-            report = build_report("sweep", requests, ReplaySettings(shape=shape, policies=policies, via="model",
-                                                                    seed=seed), [seed])
-            point = {"host_ratio": ratio, "l3": l3, "bounds": report["bounds"],
-                     "policies": {name: {k: s[k] for k in ("reused_pct", "recomputed_tokens", "ttft_p50_ms",
-                                                              "ttft_p99_ms", "gap_closed")}
-                                  for name, s in report["policies"].items()}}
-            point["best"] = best_kvtier(report["policies"])
-            point["verdict"] = point_verdict(report)
-            points.append(point)
-            if progress:
-                progress(point)
+    for shape in shapes:
+        points.append(_sweep_point(requests, shape, seed))
+        if progress:
+            progress(points[-1])
+    if base.workers > 1 and not base.heterogeneous:
+        points.append(_sweep_point(requests, replace(base, l3=True, worker_speeds=half_slow(base.workers)), seed,
+                                   ("ttft_oracle",)))
+        if progress:
+            progress(points[-1])
     return points
 
 
 def format_sweep(points: list[dict]) -> str:
-    header = (f"{'host:device':>11} {'L3':>3} {'bound':>6} {'RR reused':>9} {'kvtier':>7} {'oracle':>7} "
+    header = (f"{'host:device':>11} {'L3':>3} {'speeds':>8} {'bound':>6} {'RR reused':>9} {'kvtier':>7} {'oracle':>7} "
               f"{'RR p50':>7} {'kvtier':>7} {'oracle':>7} {'RR p99':>7} {'kvtier':>7}  verdict")
     lines = [header, "-" * 120]
     for p in points:
         rr, ours, oracle = p["policies"]["round_robin"], p["policies"][p["best"]], p["policies"]["oracle"]
-        lines.append(f"{p['host_ratio']:>11} {'yes' if p['l3'] else 'no':>3} "
+        speeds = "all 1" if not p.get("speeds") else f"{sum(x != 1 for x in p['speeds'])}x{min(p['speeds']):g}"
+        lines.append(f"{p['host_ratio']:>11} {'yes' if p['l3'] else 'no':>3} {speeds:>8} "
                      f"{p['bounds']['pooled_lru']['reused_pct']:>5.1f}% "
                      f"{rr['reused_pct']:>8.1f}% {ours['reused_pct']:>6.1f}% {oracle['reused_pct']:>6.1f}% "
                      f"{rr['ttft_p50_ms']:>5.0f}ms {ours['ttft_p50_ms']:>5.0f}ms {oracle['ttft_p50_ms']:>5.0f}ms "
                      f"{rr['ttft_p99_ms']:>5.0f}ms {ours['ttft_p99_ms']:>5.0f}ms  {p['verdict']}")
     lines.append("bound: one LRU of the whole cluster's memory; kvtier: its best policy at that point "
-                 "(tier-aware, + shared with L3)")
+                 "(tier-aware, + shared with L3); speeds: how many workers run slower, and at what factor")
     return "\n".join(lines)
 
 
@@ -134,7 +156,7 @@ def write_demo_plot(report: dict, sweep: list[dict], path: str) -> bool:
                     [(oracle["ttft_p50_ms"], plots.ORANGE, "-", "oracle p50")],
                     ylabel="simulated TTFT p50 (ms)", title="time to first token")
     for l3, style in ((True, "-"), (False, "--")):
-        pts = [p for p in sweep if p["l3"] == l3]
+        pts = [p for p in sweep if p["l3"] == l3 and not p.get("speeds")]  # the pool-size lines
         ratios = [p["host_ratio"] for p in pts]
         label = "L3" if l3 else "no L3"
         for who, colour in (("round_robin", plots.BLUE), ("best", plots.GREEN), ("oracle", plots.ORANGE)):
@@ -160,7 +182,7 @@ def write_demo_plot(report: dict, sweep: list[dict], path: str) -> bool:
     return True
 
 
-def run_demo(args) -> int:
+def run_demo(settings: DemoSettings) -> int:
     free = _free_memory()
     if free is not None and free < MIN_FREE_MEMORY:
         print(f"kvtier demo: only {free / 2**30:.1f} GiB of memory available; the demo runs ~10 processes and "
@@ -169,9 +191,9 @@ def run_demo(args) -> int:
     if (os.cpu_count() or 1) < 2:
         print("kvtier demo: one CPU core: it will run, but expect about twice the ~2.5 minutes", file=sys.stderr)
     started = time.monotonic()
-    trace = args.trace or DEMO_TRACE
-    raw = load_trace(trace, args.requests)
-    shape = shape_from_args(args)
+    trace = settings.cluster.trace or DEMO_TRACE
+    raw = load_trace(trace, settings.cluster.requests)
+    shape = settings.cluster.shape()
     requests = prepare(raw, shape.page_size)
     span = requests[-1].arrival_s - requests[0].arrival_s
     print(f"kvtier demo: {len(requests)} requests ({span:.0f}s of trace time) of "
@@ -184,12 +206,12 @@ def run_demo(args) -> int:
     policies = tuple(p for p in ("random", "round_robin", "least_load", "device_only", "tier_aware",
                                  "tier_aware_shared", "oracle") if shape.l3 or p != "tier_aware_shared")
     model = ReplaySettings(shape=shape, policies=tuple(p for p in policies if p not in PIPELINE_POLICIES),
-                           via="model", seed=args.seed)
+                           via="model", seed=settings.seed)
     piped = ReplaySettings(shape=shape, policies=tuple(p for p in policies if p in PIPELINE_POLICIES),
-                           via="pipeline", seed=args.seed)
+                           via="pipeline", seed=settings.seed)
     show = progress_bar(sys.stdout)
-    report = build_report(trace, requests, model, [args.seed], show)
-    through = build_report(trace, requests, piped, [args.seed], show)
+    report = build_report(trace, requests, model, [settings.seed], show)
+    through = build_report(trace, requests, piped, [settings.seed], show)
     merged = {name: (through["policies"].get(name) or report["policies"][name]) for name in policies}
     report["policies"] = merged
     add_gap_closed(report["policies"])
@@ -201,15 +223,16 @@ def run_demo(args) -> int:
     print("\nverdict: " + report["verdict"])
 
     sweep: list[dict] = []
-    if not args.no_sweep:
-        print(f"\nsweep: host pool 0/2/4/8 x the device pool, with and without L3 ({len(requests)} requests each, "
-              f"kvtier's router model in process):")
-        sweep = run_sweep(requests, shape, args.seed,
-                          lambda p: print(f"  host:device {p['host_ratio']}, {'L3' if p['l3'] else 'no L3'}: "
+    if not settings.no_sweep:
+        print(f"\nsweep: host pool 0/2/4/8 x the device pool, with and without L3, then half the workers at half "
+              f"speed ({len(requests)} requests each, kvtier's router model in process):")
+        sweep = run_sweep(requests, shape, settings.seed,
+                          lambda p: print(f"  host:device {p['host_ratio']}, {'L3' if p['l3'] else 'no L3'}"
+                                          f"{', half the workers at half speed' if p['speeds'] else ''}: "
                                           f"{p['verdict']}", flush=True))
         print()
         print(format_sweep(sweep))
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     report["sweep"] = sweep
     report["seconds"] = round(time.monotonic() - started, 1)

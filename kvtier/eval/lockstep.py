@@ -27,6 +27,7 @@ from kvtier.eval.policies import CandidateView, Decision, Policy, oracle_choice
 from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
 from kvtier.schemas.routing import ScoringWeights
+from kvtier.sim.hicache_sim import ServeResult
 from kvtier.sim.sim_cluster import ClusterShape, RankTruth, SimCluster
 
 #: Why a policy did not choose the oracle's rank (breakdown keys, in the order they are tested).
@@ -53,6 +54,9 @@ class RequestOutcome:
     recomputed_tokens: int
     hit_pages: tuple[int, int, int]  # device, host, L3
     degraded: bool
+    #: Seconds per output token after the first (None: no output tokens). Cache affinity can
+    #: pack decode batches, which this shows.
+    tpot_s: float | None = None
 
 
 @dataclass
@@ -90,6 +94,7 @@ class RunResult:
         reasons = {name: 0 for name in REASONS}
         for o in self.outcomes:
             reasons[o.reason] += 1
+        tpot = sorted(o.tpot_s for o in self.outcomes if o.tpot_s is not None) or [0.0]
         return {
             "requests": len(self.outcomes),
             "recomputed_tokens": recomputed,
@@ -98,7 +103,11 @@ class RunResult:
             "ttft_p50_ms": round(percentile(ttft, 0.5) * 1000, 1),
             "ttft_p99_ms": round(percentile(ttft, 0.99) * 1000, 1),
             "ttft_mean_ms": round(statistics.fmean(ttft) * 1000, 1),
+            "tpot_p50_ms": round(percentile(tpot, 0.5) * 1000, 2),
+            "tpot_p99_ms": round(percentile(tpot, 0.99) * 1000, 2),
             "imbalance": round(max(counts) / mean, 3) if mean else None,
+            "load_share_pct": {str(rank): round(100 * n / len(self.outcomes), 1) if self.outcomes else 0.0
+                               for rank, n in enumerate(counts)},
             "cost_check": self.cost_check(),
             "degraded_decisions": sum(o.degraded for o in self.outcomes),
             "oracle_agreement_pct": round(100 * reasons["same"] / len(self.outcomes), 1) if self.outcomes else 0.0,
@@ -112,6 +121,13 @@ def percentile(sorted_values: list[float], q: float) -> float:
         return 0.0
     index = math.ceil(round(q * len(sorted_values), 9)) - 1
     return sorted_values[max(0, min(len(sorted_values) - 1, index))]
+
+
+def tpot_of(served: ServeResult, arrival: float, output_tokens: int) -> float | None:
+    """Seconds per output token from the first token to the last."""
+    if output_tokens <= 0:
+        return None
+    return (served.complete_at - arrival - served.ttft_s) / output_tokens
 
 
 def _credit(c: CandidateView, weights: ScoringWeights) -> float:
@@ -182,7 +198,7 @@ async def _replay(policy: Policy, cluster: SimCluster, requests: list[PreparedRe
             ttft_s=served.ttft_s, queue_s=served.queue_s, service_s=served.service_s,
             recomputed_tokens=served.recomputed_tokens,
             hit_pages=(served.device_hit_pages, served.host_hit_pages, served.l3_hit_pages),
-            degraded=bool(decision.degraded)))
+            degraded=bool(decision.degraded), tpot_s=tpot_of(served, now, request.output_tokens)))
         result.prompt_tokens += request.input_tokens
         if progress is not None:
             progress(policy.name, len(result.outcomes), len(requests))

@@ -6,6 +6,9 @@ In process (no servers):
 - `oracle`: kvtier's scoring formula (router/scoring.py) at the same weights, evaluated on the
   simulator's ground truth at arrival: every rank's true tiers per page and its true queued
   prefill and decode work. kvtier's own policy with perfect, instant information.
+- `ttft_oracle`: the rank with the least true TTFT for this request at arrival (its queue,
+  loads and recompute at its true speed, SimCluster.ttfts): greedy, blind to where the next
+  turns will find their pages.
 - `RouterModel`: the router's decision on the information the pipeline would give it, computed
   in process: tier state built from the events published up to (now - visibility lag),
   the shared pool asked live, loads from bookings released at first token and completion,
@@ -23,8 +26,10 @@ from typing import Protocol
 
 from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
+from kvtier.router.rates import FitSettings, Work, observe, priced_logits, relative_pricing
 from kvtier.router.walk import walk as tier_walk
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
+from kvtier.schemas.rates import RateFit, RatePrior
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.schemas.tiers import tier_of_medium
@@ -32,7 +37,13 @@ from kvtier.sim.hicache_sim import ServeResult
 from kvtier.sim.sim_cluster import RankTruth, SimCluster
 
 #: The policies a replay can run (`--policies`), and among them kvtier's own (the router's).
-POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle")
+POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle",
+            "ttft_oracle")
+#: Policies a replay runs when asked by name (`--policies`): the router model priced at learned
+#: worker rates, in process only so far (the routers do not learn rates yet).
+NAMED_POLICIES = ("predicted_ttft",)
+#: The policies that decide on the simulator's ground truth (no router could run them).
+ORACLES = ("oracle", "ttft_oracle")
 KVTIER_POLICIES = ("least_load", "device_only", "tier_aware", "tier_aware_shared")
 #: Per-request overrides of the `device_only` policy (scoring ignores every other tier).
 DEVICE_ONLY = {"host_cache_hit_weight": 0.0, "disk_cache_hit_weight": 0.0, "shared_cache_multiplier": 0.0}
@@ -143,6 +154,14 @@ class OraclePolicy(_Blind):
         return Decision(rank, seen)
 
 
+class TtftOraclePolicy(_Blind):
+    name = "ttft_oracle"
+
+    async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
+        ttfts = cluster.ttfts(request.digests, request.input_tokens, now)
+        return Decision(min(range(len(ttfts)), key=ttfts.__getitem__))  # ties: the lowest rank
+
+
 # --- the router, modelled in process ------------------------------------------------------------
 class TierView:
     """One rank's tier state as the processor would have written it: page -> tier bits."""
@@ -245,9 +264,10 @@ class RouterModel:
             overlap = TierOverlap(device=device, host=host, disk=disk, shared_beyond=beyond, predicted=guess)
             candidates.append(scoring.CandidateInputs(worker_id(rank), overlap, self.prefill[rank], self.decode[rank]))
         u = self.rngs[request.index % len(self.rngs)].random()
-        scored = scoring.score(len(hashes), candidates, self.weights, u)
+        scored = self._score(len(hashes), candidates, u)
         chosen = self.order[scored.chosen]
         seen = candidates[scored.chosen].overlap
+        self._decided(request, chosen, candidates[scored.chosen])
         prefill_pages = max(len(hashes) - seen.device - seen.predicted, 0)
         self.prefill[chosen] += prefill_pages
         self.decode[chosen] += decode_pages(request, self.page_size)
@@ -260,6 +280,12 @@ class RouterModel:
         self._booked[request.index] = (chosen, prefill_pages, booked)
         return Decision(chosen, seen_of(candidates, self.order, scored.logits))
 
+    def _score(self, request_pages: int, candidates: list[scoring.CandidateInputs], u: float) -> scoring.Scored:
+        return scoring.score(request_pages, candidates, self.weights, u)
+
+    def _decided(self, request: PreparedRequest, rank: int, seen: scoring.CandidateInputs) -> None:
+        """What a policy that learns from its decisions keeps of one (nothing, here)."""
+
     def served(self, request, decision, result, now) -> None:
         rank, prefill_pages, booked = self._booked.pop(request.index)
         first_token = now + result.ttft_s
@@ -271,6 +297,46 @@ class RouterModel:
 
     async def close(self) -> None:
         pass
+
+
+class PredictedTtftModel(RouterModel):
+    """`--router-mode predicted-ttft` in process: the router model whose formula is priced at
+    each worker's rates (router/rates.py), learned from the first-token times it is told
+    (the lockstep's simulated TTFT, as a client's release would report it)."""
+
+    def __init__(self, *args, prior: RatePrior | None = None, fit: FitSettings | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prior = prior or RatePrior()
+        self.fit_settings = fit or FitSettings()
+        self.fits: list[RateFit] = [self.fit_settings.first_fit() for _ in range(self.workers)]
+        self._work: dict[int, Work] = {}
+
+    def _score(self, request_pages, candidates, u):
+        pricing = relative_pricing([self.fits[r] for r in self.order])
+        values = priced_logits(request_pages, candidates, self.weights, pricing)
+        return scoring.Scored(scoring.choose(values, self.weights.temperature, u), values)
+
+    def _decided(self, request, rank, seen) -> None:
+        self._work[request.index] = predicted_work(request, seen, self.page_size)
+
+    def served(self, request, decision, result, now) -> None:
+        work = self._work.pop(request.index)
+        self.fits[decision.rank] = observe(self.fits[decision.rank], self.prior, work, result.ttft_s,
+                                           self.fit_settings)
+        super().served(request, decision, result, now)
+
+
+def predicted_work(request: PreparedRequest, seen: scoring.CandidateInputs, page_size: int) -> Work:
+    """The work a decision predicts its first token waits for on the worker it chose: what the
+    request recomputes (past its device, predicted, host and pool pages) plus the prefill booked
+    ahead, host pages to load back, pool pages to fetch."""
+    overlap = seen.overlap
+    cached = overlap.device + overlap.predicted
+    host = overlap.host
+    pool = max(overlap.shared_beyond - host, 0)
+    recompute = max(request.input_tokens - (cached + host + pool) * page_size, 0)
+    return Work(compute_tokens=recompute + seen.prefill_load * page_size, host_tokens=host * page_size,
+                l3_tokens=pool * page_size)
 
 
 def worker_id(rank: int) -> str:

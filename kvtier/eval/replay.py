@@ -44,15 +44,27 @@ from kvtier.eval.policies import (
     DEVICE_ONLY,
     KVTIER_POLICIES,
     LOAD_ONLY,
+    NAMED_POLICIES,
+    ORACLES,
     POLICIES,
     OraclePolicy,
+    PredictedTtftModel,
     RandomPolicy,
     RoundRobinPolicy,
     RouterModel,
+    TtftOraclePolicy,
 )
-from kvtier.eval.report import format_breakdown, format_table, progress_bar, realtime_lines, verdict, write_plot
+from kvtier.eval.report import (
+    format_breakdown,
+    format_shares,
+    format_table,
+    progress_bar,
+    realtime_lines,
+    verdict,
+    write_plot,
+)
+from kvtier.eval.settings import ReplayBench
 from kvtier.eval.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
-from kvtier.router.weight_flags import scoring_weights_from
 from kvtier.schemas.routing import ScoringWeights
 from kvtier.sim.sim_cluster import ClusterShape
 
@@ -72,9 +84,9 @@ class ReplaySettings:
     predicted_pages: bool = False
 
     def __post_init__(self) -> None:
-        unknown = set(self.policies) - set(POLICIES)
+        unknown = set(self.policies) - set(POLICIES) - set(NAMED_POLICIES)
         if unknown:
-            raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+            raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES + NAMED_POLICIES)}")
         if "tier_aware_shared" in self.policies and not self.shape.l3:
             self.policies = tuple(p for p in self.policies if p != "tier_aware_shared")
         if self.via not in ("pipeline", "model"):
@@ -98,6 +110,11 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         return RoundRobinPolicy(shape.workers)
     if name == "oracle":
         return OraclePolicy(settings.weights, shape.l3, seed)
+    if name == "ttft_oracle":
+        return TtftOraclePolicy()
+    if name == "predicted_ttft":
+        return PredictedTtftModel(name, shape.workers, shape.page_size, settings.weights, shape.l3,
+                                  settings.visibility_lag_s, seed, predicted=settings.predicted_pages)
     if settings.via == "pipeline":
         from kvtier.eval.pipeline import PipelinePolicy
 
@@ -150,7 +167,8 @@ def run_policies(requests: list[PreparedRequest], settings: ReplaySettings, prog
     summaries = {}
     for name, result in results.items():
         summary = result.summary()
-        summary["via"] = settings.via if name in KVTIER_POLICIES else "in process"
+        summary["via"] = (settings.via if name in KVTIER_POLICIES else "model" if name in NAMED_POLICIES
+                          else "in process")
         summaries[name] = summary
     add_gap_closed(summaries)
     return summaries
@@ -209,7 +227,9 @@ def build_report(trace: str, requests: list[PreparedRequest], settings: ReplaySe
         "visibility_lag_ms": settings.visibility_lag_s * 1000, "via": settings.via, "seeds": seeds,
         "cluster": {"workers": shape.workers, "page_size": shape.page_size, "device_pages": shape.device_pages,
                     "host_pages": shape.host_pages, "write_policy": shape.write_policy, "l3": shape.l3,
-                    "l3_pages": shape.l3_capacity if shape.l3 else 0},
+                    "l3_pages": shape.l3_capacity if shape.l3 else 0,
+                    "worker_speeds": list(shape.worker_speeds) or [1.0] * shape.workers,
+                    "slowdowns": [f"{s.rank}:{s.factor:g}@{s.at_s:g}" for s in shape.slowdowns]},
         "cost_model": {name: getattr(shape.cost, name) for name in shape.cost.__dataclass_fields__},
         "weights": msgspec.to_builtins(settings.weights), "predicted_pages": settings.predicted_pages,
         "bounds": {name: b.as_json() for name, b in bound.items()},
@@ -217,15 +237,6 @@ def build_report(trace: str, requests: list[PreparedRequest], settings: ReplaySe
         "per_seed": per_seed if len(seeds) > 1 else None,
         "verdict": verdict(policies),
     }
-
-
-def shape_from_args(args) -> ClusterShape:
-    from kvtier.sim.cost_model import cost_model_from_args
-
-    return ClusterShape(workers=args.workers, page_size=args.page_size, device_pages=args.device_pages,
-                        host_pages=args.host_pages, write_policy=args.write_policy, l3=not args.no_l3,
-                        l3_pages=args.l3_pages, dma_delay_s=args.dma_delay_ms / 1000,
-                        cost=cost_model_from_args(args))
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -238,52 +249,56 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_replay_bench(args) -> int:
-    trace = args.trace or str(CONVERSATION_TRACE)
-    raw = load_trace(trace, args.requests)
-    shape = shape_from_args(args)
-    policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+def run_replay_bench(bench: ReplayBench) -> int:
+    trace = bench.cluster.trace or str(CONVERSATION_TRACE)
+    raw = load_trace(trace, bench.cluster.requests)
+    shape = bench.cluster.shape()
+    policies = tuple(bench.policies.split(",")) if bench.policies else POLICIES
     span = (raw[-1].timestamp - raw[0].timestamp) / 1000
-    if args.realtime:
-        return _run_realtime(args, raw, shape, policies, span, trace)
-    settings = ReplaySettings(shape=shape, policies=policies, visibility_lag_s=args.visibility_lag_ms / 1000,
-                              via=args.via, predicted_pages=args.predicted_pages == "on",
-                              weights=scoring_weights_from(args))
-    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
-    print(f"{len(raw)} requests over {span:.0f}s of trace time, lockstep (visibility lag {args.visibility_lag_ms:g} ms "
-          f"of trace time), kvtier policies via {args.via}; {shape.workers} workers, page size {shape.page_size}, "
+    if bench.realtime:
+        return _run_realtime(bench, raw, shape, policies, span, trace)
+    settings = ReplaySettings(shape=shape, policies=policies, visibility_lag_s=bench.visibility_lag_ms / 1000,
+                              via=bench.via, predicted_pages=bench.predicted_pages, weights=bench.weights)
+    seeds = parse_seeds(bench.seeds) if bench.seeds else [bench.seed]
+    print(f"{len(raw)} requests over {span:.0f}s of trace time, lockstep (visibility lag "
+          f"{bench.visibility_lag_ms:g} ms of trace time), kvtier policies via {bench.via}; {shape.workers} workers, "
+          f"page size {shape.page_size}, "
           f"device {shape.device_pages} / host {shape.host_pages} pages each, "
-          f"{'L3 pool of ' + str(shape.l3_capacity) + ' pages' if shape.l3 else 'no L3'}; seeds {seeds}",
+          f"{'L3 pool of ' + str(shape.l3_capacity) + ' pages' if shape.l3 else 'no L3'}; seeds {seeds}"
+          + (f"; worker speeds {','.join(f'{x:g}' for x in shape.worker_speeds) or 'all 1'}"
+             f"{''.join(f', slowdown {s.rank}:{s.factor:g}@{s.at_s:g}s' for s in shape.slowdowns)}"
+             if shape.heterogeneous else ""),
           file=sys.stderr)
     requests = prepare(raw, shape.page_size)
     report = build_report(trace, requests, settings, seeds, progress_bar())
     print(format_table(report))
     print(format_breakdown(report))
+    print(format_shares(report))
     print("verdict: " + report["verdict"])
-    if args.plot:
-        write_plot(report, args.plot)
-    if args.json:
+    if bench.plot:
+        write_plot(report, bench.plot)
+    if bench.json:
         print(json.dumps(report))
     return 0
 
 
-def _run_realtime(args, raw, shape, policies, span, trace) -> int:
+def _run_realtime(bench: ReplayBench, raw, shape, policies, span, trace) -> int:
     from kvtier.eval.realtime import ROUTED, run_realtime
 
-    policies = tuple(p for p in policies if p != "oracle")
-    print(f"{len(raw)} requests over {span:.0f}s of trace time on the wall clock, x{args.time_scale} -> "
-          f"~{span / args.time_scale:.0f}s per policy (realtime: figures depend on this machine's load)",
+    policies = tuple(p for p in policies if p not in ORACLES)
+    print(f"{len(raw)} requests over {span:.0f}s of trace time on the wall clock, x{bench.time_scale} -> "
+          f"~{span / bench.time_scale:.0f}s per policy (realtime: figures depend on this machine's load)",
           file=sys.stderr)
-    results, log_dir = run_realtime(raw, shape, args.time_scale, [p for p in policies if p != "oracle"], args.seed,
+    results, log_dir = run_realtime(raw, shape, bench.time_scale, list(policies), bench.seed,
                                     progress_bar())
     summaries = {name: r.summary() for name, r in results.items()}
     for name, s in summaries.items():
         s["via"] = "realtime" if name in ROUTED else "in process"
-    report = {"trace": trace, "requests": len(raw), "mode": "realtime", "time_scale": args.time_scale,
+    report = {"trace": trace, "requests": len(raw), "mode": "realtime", "time_scale": bench.time_scale,
               "policies": summaries, "logs": log_dir}
     for line in realtime_lines(summaries):
         print(line)
-    if args.json:
+    if bench.json:
         print(json.dumps(report))
     return 0
 

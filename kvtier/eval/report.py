@@ -56,7 +56,8 @@ def _fmt_gap(value: float | None) -> str:
 
 def format_table(report: dict) -> str:
     header = (f"{'policy':<18} {'via':<10} {'reused':>7} {'recomputed tok':>15} {'device hit':>11} {'host hit':>10} "
-              f"{'L3 hit':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'gap closed':>10} {'=oracle':>7} {'degr.':>5}")
+              f"{'L3 hit':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p99':>9} {'gap closed':>10} {'=oracle':>7} "
+              f"{'degr.':>5}")
     lines = [header, "-" * len(header)]
     for name, r in report["policies"].items():
         h = r["hit_tokens"]
@@ -64,7 +65,8 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{name:<18} {r['via'][:10]:<10} {r['reused_pct']:>6.1f}% {r['recomputed_tokens']:>15,.0f} "
             f"{h['device']:>11,.0f} {h['host']:>10,.0f} {h['l3']:>10,.0f} {r['ttft_p50_ms']:>7.0f}ms "
-            f"{r['ttft_p99_ms']:>7.0f}ms {_fmt_gap(gap['recomputed'])}/{_fmt_gap(gap['ttft_p50'])} "
+            f"{r['ttft_p99_ms']:>7.0f}ms {r['tpot_p99_ms']:>7.1f}ms {_fmt_gap(gap['recomputed'])}/"
+            f"{_fmt_gap(gap['ttft_p50'])} "
             f"{r['oracle_agreement_pct']:>6.0f}% {r['degraded_decisions']:>5.0f}")
     for name, b in report["bounds"].items():
         label = "infinite cache" if name == "infinite" else "pooled LRU"
@@ -85,6 +87,20 @@ def format_breakdown(report: dict) -> str:
         parts = [f"{key} {100 * count / total:.1f}%" for key, count in r["breakdown"].items() if count]
         lines.append(f"  {name:<18} " + ", ".join(parts))
     lines.append("  " + "; ".join(f"{key}: {text}" for key, text in REASONS.items() if key != "same"))
+    return "\n".join(lines)
+
+
+def format_shares(report: dict) -> str:
+    """Each policy's share of the requests per worker (%), and where the cluster's speeds differ,
+    each worker's speed above them: a slow worker should draw less."""
+    speeds = report["cluster"].get("worker_speeds") or []
+    lines = ["requests per worker (%):"]
+    if any(speed != 1.0 for speed in speeds) or report["cluster"].get("slowdowns"):
+        slowed = ", ".join(report["cluster"]["slowdowns"])
+        lines.append(f"  {'speed':<18} " + " ".join(f"{speed:>5g}" for speed in speeds)
+                     + (f"  (slowdowns: {slowed})" if slowed else ""))
+    for name, r in report["policies"].items():
+        lines.append(f"  {name:<18} " + " ".join(f"{share:>5.1f}" for share in r["load_share_pct"].values()))
     return "\n".join(lines)
 
 

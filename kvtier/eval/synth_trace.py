@@ -21,8 +21,12 @@ import random
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.eval.trace_record import TRACE_BLOCK_TOKENS, TraceRequest
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(frozen=True)
@@ -144,14 +148,13 @@ def write_trace(requests: list[TraceRequest], stream=sys.stdout) -> None:
                                  "output_length": r.output_length, "hash_ids": r.hash_ids}) + "\n")
 
 
-def run_synth_trace(args) -> int:
-    params = SynthParams(requests=args.requests, duration_s=args.duration)
-    requests = generate(params, args.seed)
-    if args.out == "-":
+def run_synth_trace(params: SynthParams, seed: int, out: str) -> int:
+    """`kvtier bench synth-trace`: the trace to `out` ('-': standard output), its statistics to stderr."""
+    requests = generate(params, seed)
+    if out == "-":
         write_trace(requests)
     else:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             write_trace(requests, f)
-    print(json.dumps({"params": asdict(params), "seed": args.seed, "stats": trace_stats(requests)}),
-          file=sys.stderr)
+    print(json.dumps({"params": asdict(params), "seed": seed, "stats": trace_stats(requests)}), file=sys.stderr)
     return 0

@@ -23,6 +23,7 @@ import msgspec
 
 from kvtier.eval.lockstep import run_lockstep
 from kvtier.eval.policies import OraclePolicy, RoundRobinPolicy, RouterModel
+from kvtier.eval.settings import TuneSettings
 from kvtier.eval.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
 from kvtier.schemas.routing import ScoringWeights
 from kvtier.sim.sim_cluster import ClusterShape
@@ -240,22 +241,19 @@ def format_tune(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_tune(args) -> int:
-    from kvtier.eval.replay import shape_from_args
-
-    trace = args.trace or str(CONVERSATION_TRACE)
-    shape = shape_from_args(args)
-    if not 0.0 <= args.holdout < 1.0:
-        raise ValueError(f"--holdout must be in [0, 1), got {args.holdout}")
-    requests = prepare(load_trace(trace, args.requests), shape.page_size)
+def run_tune(settings: TuneSettings) -> int:
+    trace = settings.cluster.trace or str(CONVERSATION_TRACE)
+    shape = settings.cluster.shape()
+    requests = prepare(load_trace(trace, settings.cluster.requests), shape.page_size)
 
     def progress(done: int, total: int) -> None:
         print(f"\r  tried {done}/{total}", end="", file=sys.stderr, flush=True)
 
-    report = tune(requests, shape, args.budget, args.visibility_lag_ms / 1000, args.seed, args.holdout, progress)
+    report = tune(requests, shape, settings.budget, settings.visibility_lag_ms / 1000, settings.seed, settings.holdout,
+                  progress)
     print("", file=sys.stderr)
     report["trace"] = trace
     print(format_tune(report))
-    if args.json:
+    if settings.json:
         print(json.dumps(report))
     return 0

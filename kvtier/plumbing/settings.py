@@ -4,7 +4,10 @@ its name, help text and how its text is read. `kvtier <command>` gets its flags 
 (`add_flags`, the KVTIER_* variables through the command's parser), builds the typed settings
 from what was parsed in one call (`read_settings`, which runs the class's `validate()`), and
 docs/DEPLOY.md's flag tables come from that parser. The services themselves only ever see the
-typed settings, never argparse's Namespace.
+typed settings, never argparse's Namespace; so do the operator tools (kvtier/tools/settings.py),
+whose flags need a little more of argparse: flags that exclude one another (`exclusive`), an
+optional value with a `const`, an action class, a positional argument, and a subcommand's flag
+that may also be given to its parent command (`inherit`).
 
 Also here: the types that read a flag's text (`positive_int`, ...), so a service can declare
 them without importing the commands."""
@@ -63,22 +66,49 @@ class Flag:
     #: (`--nats` is args.nats wherever the connection options are read).
     dest: str | None = None
     required: bool = False
-    #: argparse's action: "store_true" for a switch, "append" for a repeatable flag.
-    action: str | None = None
+    #: argparse's action: "store_true" for a switch, "append" for a repeatable flag, or an
+    #: argparse.Action class (UrlListAction).
+    action: str | type[argparse.Action] | None = None
     #: The field's default as the flag writes it (an enum's name, "on" for True).
     text_default: Any = None
     #: The parsed flag -> the field's value (None: the same).
     to_field: Callable[[Any], Any] | None = None
+    #: argparse's nargs and const: "?" with a const is a flag whose value may be left out.
+    nargs: str | int | None = None
+    const: Any = None
+    #: Flags with the same name here exclude one another (one argparse mutually exclusive
+    #: group). They are read from the command line only: argparse adds a group's flags past
+    #: the parser's KVTIER_* defaults, and two variables set at once could not be refused
+    #: the way two flags are.
+    exclusive: str | None = None
+    #: A subcommand's flag that its parent command has too: not given after the subcommand,
+    #: the parent's value (given before it, or its default) stands, so the subcommand's parser
+    #: writes no default of its own (argparse.SUPPRESS).
+    inherit: bool = False
+
+    @property
+    def positional(self) -> bool:
+        """A name without a leading '-' is a positional argument (argparse's dest is the name)."""
+        return not self.name.startswith("-")
+
+    def key(self, field_name: str) -> str:
+        """The Namespace attribute the parsed value lands in."""
+        return self.name if self.positional else self.dest or field_name
 
     def argparse_options(self, field_name: str) -> dict[str, Any]:
         """add_argument's keywords; only those set, since a switch takes no `type` and the
         environment's parser reads a `type` wherever there is one."""
-        options: dict[str, Any] = {"dest": self.dest or field_name, "help": self.help}
-        if self.required:
-            options["required"] = True
-        else:
+        options: dict[str, Any] = {"help": self.help}
+        if not self.positional:  # argparse takes neither a dest nor `required` for a positional
+            options["dest"] = self.dest or field_name
+            if self.required:
+                options["required"] = True
+        if self.inherit:
+            options["default"] = argparse.SUPPRESS
+        elif not self.required:
             options["default"] = list(self.text_default) if isinstance(self.text_default, list) else self.text_default
-        for key, value in (("type", self.parse), ("metavar", self.metavar), ("action", self.action)):
+        for key, value in (("type", self.parse), ("metavar", self.metavar), ("action", self.action),
+                           ("nargs", self.nargs), ("const", self.const)):
             if value is not None:
                 options[key] = value
         if self.choices is not None:
@@ -108,16 +138,22 @@ def _field(default: Any, flag: Flag | FlagGroup, *, secret: bool = False) -> Any
 
 
 def setting(default: Any, *, flag: str, help: str, parse: Callable[[str], Any] | None = None,
-            metavar: str | None = None, dest: str | None = None, repeat: bool = False) -> Any:
+            metavar: str | None = None, dest: str | None = None, repeat: bool = False,
+            action: type[argparse.Action] | None = None, nargs: str | None = None, const: Any = None,
+            exclusive: str | None = None, inherit: bool = False) -> Any:
     """A setting with a value: `default` unless the flag (or KVTIER_<FLAG>) says otherwise.
-    `repeat`: the flag may be given more than once, each value added to a list."""
+    `repeat`: the flag may be given more than once, each value added to a list; `action`: an
+    argparse.Action class that stores the value instead; `nargs`/`const`, `exclusive` and
+    `inherit`: as `Flag` says."""
     spec = Flag(name=flag, help=help, parse=parse, metavar=metavar, dest=dest, text_default=default,
-                action="append" if repeat else None)
+                action=action or ("append" if repeat else None), nargs=nargs, const=const, exclusive=exclusive,
+                inherit=inherit)
     return _field(default, spec, secret=bool(SECRET_FLAG.search(flag)))
 
 
 def required(*, flag: str, help: str, parse: Callable[[str], Any] | None = None, dest: str | None = None) -> Any:
-    """A setting with no default: the flag (or KVTIER_<FLAG>) must give it."""
+    """A setting with no default: the flag (or KVTIER_<FLAG>) must give it; a `flag` without a
+    leading '-' is a positional argument."""
     return dataclasses.field(metadata={FLAG: Flag(name=flag, help=help, parse=parse, dest=dest, required=True)})
 
 
@@ -144,9 +180,10 @@ def on_off(default: bool | None, *, flag: str, help: str, dest: str | None = Non
     return _field(default, spec)
 
 
-def switch(*, flag: str, help: str) -> Any:
-    """Off unless the flag is given (a KVTIER_<FLAG> of 1, true, yes or on turns it on)."""
-    return _field(False, Flag(name=flag, help=help, action="store_true", text_default=False))
+def switch(*, flag: str, help: str, inherit: bool = False) -> Any:
+    """Off unless the flag is given (a KVTIER_<FLAG> of 1, true, yes or on turns it on).
+    `inherit`: as `Flag` says."""
+    return _field(False, Flag(name=flag, help=help, action="store_true", text_default=False, inherit=inherit))
 
 
 def group(settings: type) -> Any:
@@ -178,10 +215,17 @@ def flags_of(settings: type) -> list[tuple[dataclasses.Field, Flag]]:
 
 
 def add_flags(parser: Any, settings: type) -> None:
-    """The flags of a settings class, in its field order, on `parser` (an argparse parser)."""
+    """The flags of a settings class, in its field order, on `parser` (an argparse parser); each
+    `exclusive` name's group is made where its first flag stands."""
+    groups: dict[str, Any] = {}
     for f, spec in declared(settings):
         if isinstance(spec, Flag):
-            parser.add_argument(spec.name, **spec.argparse_options(f.name))
+            target = parser
+            if spec.exclusive is not None:
+                if spec.exclusive not in groups:
+                    groups[spec.exclusive] = parser.add_mutually_exclusive_group()
+                target = groups[spec.exclusive]
+            target.add_argument(spec.name, **spec.argparse_options(f.name))
         else:
             spec.add(parser)
 
@@ -192,7 +236,10 @@ def read_settings(settings: type[T], args: Any) -> T:
     values: dict[str, Any] = {}
     for f, spec in declared(settings):
         if isinstance(spec, Flag):
-            values[f.name] = spec.value(getattr(args, spec.dest or f.name))
+            key = spec.key(f.name)
+            if spec.inherit and not hasattr(args, key):
+                continue  # given to neither command, and no parser wrote a default: the field's own
+            values[f.name] = spec.value(getattr(args, key))
         else:
             values[f.name] = spec.read(args)
     built = settings(**values)
@@ -255,6 +302,22 @@ def partition_list(text: str) -> list[int] | str | None:
     if any(p < 0 for p in parts):
         raise argparse.ArgumentTypeError("partitions are non-negative integers")
     return sorted(set(parts))
+
+
+def url_list(text: str) -> list[str]:
+    """One URL or several, comma-separated (for flags given more than once, or from the environment)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+class UrlListAction(argparse.Action):
+    """Repeatable flag taking comma-separated URLs; the first use on the command line replaces
+    the environment's default instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        if current is self.default or current is None:
+            current = []
+        setattr(namespace, self.dest, [*current, *values])
 
 
 def model_and_path(value: str) -> tuple[str, str]:

@@ -15,9 +15,12 @@ read over RDMA. Every figure is a flag of `kvtier sim-worker` and `kvtier bench 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GB = 1e9
+#: The figures a worker's speed factor scales: what its GPU computes and what its links move
+#: (a slower card, a different TP size, a throttled one). Decode is left as it is.
+SPEED_SCALED = ("prefill_tokens_per_s", "host_to_device_gb_s", "l3_read_gb_s")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,14 @@ class CostModel:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.weight_bytes < 0:
             raise ValueError(f"weight_bytes must be >= 0, got {self.weight_bytes}")
+
+    def at_speed(self, factor: float) -> CostModel:
+        """This model on a worker `factor` times as fast at prefill and load back (0.5: half)."""
+        if not factor > 0:
+            raise ValueError(f"a worker's speed factor must be > 0, got {factor}")
+        if factor == 1.0:
+            return self
+        return replace(self, **{name: getattr(self, name) * factor for name in SPEED_SCALED})
 
     def prefill_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

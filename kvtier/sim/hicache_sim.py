@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvtier.schemas.hashes import BlockHash, PageDigest, block_hash_of_digest, sglang_page_digests
@@ -230,30 +230,13 @@ class HiCacheSim:
         n = len(digests)
 
         # Match: device prefix, then host continuation, then the shared pool.
-        path: list[_Node] = []
-        node = self._root
-        for digest in digests:
-            child = node.children.get(digest)
-            if child is None or not child.on_device:
-                break
-            path.append(child)
-            node = child
-        d = len(path)
-        for digest in digests[d:]:
-            child = node.children.get(digest)
-            if child is None or child.host != _READY:
-                break
-            path.append(child)
-            node = child
+        path, d = self._cached_path(digests)
+        node = path[-1] if path else self._root
         h = len(path) - d
         protected = set(path)  # never evict what this request is about to use
 
-        l3 = 0
+        l3 = self._pool_run(digests, d + h)
         if cfg.l3 and self.shared_pool is not None and cfg.host_pages > 0:
-            # A node already in the tree here is waiting for its own copy: stop rather than race it.
-            while (d + h + l3 < n and digests[d + h + l3] not in self._nodes
-                   and self.shared_pool.contains(digests[d + h + l3])):
-                l3 += 1
             # SGLang prefetches into host memory before the request is scheduled; the reads
             # make those pages recently used in the pool (its eviction is by last access).
             l3 = self._make_host_room(l3, protected)
@@ -302,6 +285,55 @@ class HiCacheSim:
         return ServeResult(pages=n, device_hit_pages=d, host_hit_pages=host_hit, l3_hit_pages=l3_hit,
                            recomputed_pages=n - reused, recomputed_tokens=recomputed_tokens,
                            queue_s=start - now, ttft_s=first - now, service_s=service, complete_at=done)
+
+    def _cached_path(self, digests: list[PageDigest]) -> tuple[list[_Node], int]:
+        """The request's nodes in this rank's tree: its device prefix, then the host copies that
+        continue it; and how many of them are the device prefix."""
+        path: list[_Node] = []
+        node = self._root
+        for digest in digests:
+            child = node.children.get(digest)
+            if child is None or not child.on_device:
+                break
+            path.append(child)
+            node = child
+        on_device = len(path)
+        for digest in digests[on_device:]:
+            child = node.children.get(digest)
+            if child is None or child.host != _READY:
+                break
+            path.append(child)
+            node = child
+        return path, on_device
+
+    def _pool_run(self, digests: list[PageDigest], start: int) -> int:
+        """Pages from `start` on that this rank would prefetch from the shared pool."""
+        cfg = self.config
+        if not (cfg.l3 and self.shared_pool is not None and cfg.host_pages > 0):
+            return 0
+        run = start
+        # A node already in the tree here is waiting for its own copy: stop rather than race it.
+        while run < len(digests) and digests[run] not in self._nodes and self.shared_pool.contains(digests[run]):
+            run += 1
+        return run - start
+
+    def set_cost(self, cost: CostModel) -> None:
+        """From now on this rank computes and loads at `cost` (a worker that slowed down)."""
+        self.config = replace(self.config, cost=cost)
+        self.engine.cost = cost
+
+    def ttft_if_served(self, digests: list[PageDigest], prompt_tokens: int, now: float) -> float:
+        """The TTFT a request arriving at `now` would get here, on this rank's true state: the wait
+        for the engine, then loading its host and pool pages and recomputing the rest at this
+        rank's speed. Changes nothing; leaves out the wait for device room an eviction may add."""
+        path, on_device = self._cached_path(digests)
+        loaded_host = len(path) - on_device
+        loaded_pool = self._pool_run(digests, len(path))
+        cost, ps = self.config.cost, self.config.page_size
+        recomputed = max(prompt_tokens - (len(path) + loaded_pool) * ps, 0)
+        service = (cost.load_back_s(loaded_host + loaded_pool, ps) + cost.l3_fetch_s(loaded_pool, ps)
+                   + cost.prefill_s(recomputed))
+        return self.engine.start_at(now) - now + service
 
     def overlap(self, digests: list[PageDigest]) -> tuple[int, int]:
         """The request's (device, host) overlap as a router walks it, on this worker's true

@@ -5,6 +5,9 @@
 - `truth(...)` is the ground truth a router would want at a moment: every rank's tiered
   overlap with a request (device prefix, then host, then the shared pool beyond the device
   prefix) and its true queued prefill and decode pages. The oracle policy scores on it.
+- Ranks may differ in speed (`worker_speeds`: one factor per rank on its prefill throughput
+  and load-back bandwidths) and slow down during a trace (`slowdowns`); `ttfts(...)` is the
+  TTFT each rank would give a request now, on the ground truth and its speed at the time.
 - Each rank's KV events are kept with the simulated time at which SGLang would publish them:
   a request's events when its prefill has run (SGLang inserts the pages into its radix tree
   after the forward pass), a device->host copy's when it lands, never earlier than the
@@ -15,12 +18,40 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.schemas.hashes import PageDigest
 from kvtier.schemas.sglang import SglangEvent
 from kvtier.sim.cost_model import CostModel
 from kvtier.sim.hicache_sim import HiCacheSim, InMemorySharedPool, ServeResult, SimConfig
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """Rank `rank` runs `factor` times its speed from `at_s` trace seconds after the first
+    request on (a card that throttles, a neighbour that takes its PCIe bandwidth)."""
+
+    rank: int
+    factor: float
+    at_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> Slowdown:
+        """RANK:FACTOR@SECONDS, e.g. 3:0.5@300."""
+        try:
+            rank, rest = text.split(":", 1)
+            factor, at = rest.split("@", 1)
+            return cls(int(rank), float(factor), float(at))
+        except ValueError:
+            raise ValueError(f"a slowdown is RANK:FACTOR@SECONDS (e.g. 3:0.5@300), got {text!r}") from None
+
+
+def parse_speeds(text: str) -> tuple[float, ...]:
+    """F,F,...: one speed factor per rank ('' : every rank at speed 1)."""
+    try:
+        return tuple(float(part) for part in text.split(",")) if text.strip() else ()
+    except ValueError:
+        raise ValueError(f"worker speeds are comma-separated numbers, one per worker, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -34,10 +65,34 @@ class ClusterShape:
     l3_pages: int | None = None  # None: as many as the workers' host pools together
     dma_delay_s: float = 0.002
     cost: CostModel = field(default_factory=CostModel)
+    #: One factor per rank on its prefill throughput and load-back bandwidths; (): all 1.
+    worker_speeds: tuple[float, ...] = ()
+    slowdowns: tuple[Slowdown, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.worker_speeds and len(self.worker_speeds) != self.workers:
+            raise ValueError(f"worker speeds give {len(self.worker_speeds)} factors for {self.workers} workers: "
+                             "one per worker")
+        if any(not speed > 0 for speed in self.worker_speeds):
+            raise ValueError(f"worker speeds must be > 0, got {','.join(map(str, self.worker_speeds))}")
+        for slow in self.slowdowns:
+            if not 0 <= slow.rank < self.workers or not slow.factor > 0 or slow.at_s < 0:
+                raise ValueError(f"slowdown {slow.rank}:{slow.factor}@{slow.at_s}: the rank must be one of the "
+                                 f"{self.workers} workers, the factor > 0 and the time >= 0")
+
+    @property
+    def heterogeneous(self) -> bool:
+        return any(speed != 1.0 for speed in self.worker_speeds) or bool(self.slowdowns)
+
+    def speed(self, rank: int, since_start_s: float) -> float:
+        """Rank `rank`'s speed factor `since_start_s` trace seconds after the first request."""
+        factor = self.worker_speeds[rank] if self.worker_speeds else 1.0
+        for slow in self.slowdowns:
+            if slow.rank == rank and since_start_s >= slow.at_s:
+                factor *= slow.factor
+        return factor
 
     @property
     def l3_capacity(self) -> int:
@@ -67,7 +122,10 @@ class SimCluster:
         self.shape = shape
         self.pool = InMemorySharedPool(shape.l3_capacity) if shape.l3 else None
         config = shape.sim_config(emit_events, event_token_ids)
-        self.ranks = [HiCacheSim(config, self.pool) for _ in range(shape.workers)]
+        self.ranks = [HiCacheSim(replace(config, cost=shape.cost.at_speed(shape.speed(rank, 0.0))), self.pool)
+                      for rank in range(shape.workers)]
+        self._start: float | None = None  # the first request's time: slowdowns count from it
+        self._slowed = [False] * len(shape.slowdowns)
         self._stamped: list[deque[tuple[float, list[SglangEvent]]]] = [deque() for _ in self.ranks]
         self._last_stamp = [float("-inf")] * shape.workers
 
@@ -79,8 +137,23 @@ class SimCluster:
             self._last_stamp[rank] = at
             self._stamped[rank].append((at, events))
 
+    def _slow_down(self, now: float) -> None:
+        """Apply the slowdowns due by `now` (each once, at the first moment the replay reaches)."""
+        if self._start is None:
+            self._start = now
+        for k, slow in enumerate(self.shape.slowdowns):
+            if not self._slowed[k] and now - self._start >= slow.at_s:
+                self._slowed[k] = True
+                self.ranks[slow.rank].set_cost(self.shape.cost.at_speed(self.shape.speed(slow.rank, now - self._start)))
+
+    def speed(self, rank: int, now: float) -> float:
+        """Rank `rank`'s true speed factor at `now` (what a router would have to learn)."""
+        return self.shape.speed(rank, now - (self._start if self._start is not None else now))
+
     def advance(self, now: float) -> None:
         """Land every copy due by `now`, each rank's in landing order, stamped when it lands."""
+        if self.shape.slowdowns:
+            self._slow_down(now)
         for rank, sim in enumerate(self.ranks):
             while (landing := sim.next_landing()) is not None and landing <= now:
                 sim.advance(landing)
@@ -117,6 +190,10 @@ class SimCluster:
                                  prefill_pages=sim.engine.queued_prefill_pages(now),
                                  decode_pages=sim.engine.decode_pages(now)))
         return out
+
+    def ttfts(self, digests: list[PageDigest], prompt_tokens: int, now: float) -> list[float]:
+        """The TTFT each rank would give this request at `now` (call `advance(now)` first)."""
+        return [sim.ttft_if_served(digests, prompt_tokens, now) for sim in self.ranks]
 
     def utilisation(self, span_s: float) -> list[float]:
         """Each rank's prefill busy time over `span_s` of simulated time."""

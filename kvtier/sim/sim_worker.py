@@ -83,23 +83,26 @@ from kvtier.sim.sglang_publisher import SglangEventPublisher
 log = logging.getLogger("kvtier.sim")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SimWorkerConfig:
+    """What a sim-worker process runs. Every default is SimWorkerSettings' (kvtier/commands/
+    sim_worker.py), the one place they are declared; this holds what was decided."""
+
     ranks: int
     port: int  # PUB of rank r on port + r
     replay_port: int  # replay ROUTER of rank r on replay_port + r
     http_port: int
-    host: str = "127.0.0.1"
-    sim: SimConfig = None  # type: ignore[assignment]
-    l3_pages: int | None = None
-    mooncake_rpc: str = ""  # with l3: a real Mooncake master (host:port) instead of the in-memory pool
-    mooncake_metadata: str = ""
-    tokenizer: str = ""  # a tokenizer folder: serve the OpenAI-compatible API
-    model: str = "sim"  # the model name OpenAI answers carry
+    host: str
+    sim: SimConfig
+    l3_pages: int | None
+    mooncake_rpc: str  # with l3: a real Mooncake master (host:port) instead of the in-memory pool
+    mooncake_metadata: str
+    tokenizer: str  # a tokenizer folder ("": none): serve the OpenAI-compatible API
+    model: str  # the model name OpenAI answers carry
     #: answer the OpenAI API in wall time: the first byte after the simulated TTFT (queue
     #: included), the end after the simulated end-to-end latency, as a loaded engine would
     #: (load benches); off: answers at once, the times only reported
-    pace: bool = False
+    pace: bool
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:

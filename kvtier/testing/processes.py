@@ -22,18 +22,27 @@ QUIET = ("--log-level", "WARNING")
 
 class KvtierSubprocess:
     """A kvtier subcommand in its own process, output to a log file, stopped by PID. `module`:
-    the module run (`python -m`), kvtier's command line unless told."""
+    the module run (`python -m`), kvtier's command line unless told; `log_dir` None: a log file
+    of its own in the temporary folder; `prefix`: a command that runs it (`prlimit ...`)."""
 
-    def __init__(self, args: Sequence[str], log_dir: str, name: str, module: str = "kvtier.cli"):
-        self.log_path = os.path.join(log_dir, f"{name}.log")
+    def __init__(self, args: Sequence[str], log_dir: str | None, name: str, module: str = "kvtier.cli",
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()):
+        if log_dir is None:
+            handle, self.log_path = tempfile.mkstemp(prefix=f"kvtier-{name}-", suffix=".log")
+            os.close(handle)
+        else:
+            self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.args = [*prefix, sys.executable, "-m", module, *args]
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env} if env else None, start_new_session=True)
         self.name = name
 
-    def tail(self, n: int = 2000) -> str:
+    def tail(self, n: int | None = 2000) -> str:
+        """The last `n` characters of its output (None: all of it)."""
         with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-n:]
+            text = f.read().decode(errors="replace")
+        return text if n is None else text[-n:]
 
     def check(self) -> None:
         if self.proc.poll() is not None:
@@ -51,15 +60,22 @@ class KvtierSubprocess:
             self.proc.wait(10)
         self.log.close()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0, strict: bool = False) -> int | None:
+        """SIGTERM by PID, SIGKILL after `timeout`; its exit code. `strict`: a process that ignored
+        SIGTERM is an error (AssertionError, with its output), once it has been killed."""
+        ignored = False
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.kill(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(15)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                ignored = True
+                os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
         self.log.close()
+        if ignored and strict:
+            raise AssertionError(f"{self.args} ignored SIGTERM for {timeout}s:\n{self.tail(3000)}")
+        return self.proc.returncode
 
 
 async def wait_http(session, url: str, procs: Iterable[KvtierSubprocess], timeout: float = 30.0,

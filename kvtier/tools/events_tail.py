@@ -31,6 +31,7 @@ from kvtier.schemas.events import (
 from kvtier.schemas.hashes import page_key
 from kvtier.schemas.subjects import EVENTS_STREAM
 from kvtier.tools.replay import connect, events_filter, iso, parse_time, stream_bounds
+from kvtier.tools.settings import EventsTailSettings
 
 KINDS = ("stored", "removed", "cleared", "announce")
 TIERS = ("device", "host", "disk", "external")
@@ -157,19 +158,18 @@ async def _last(nc, subject: str, filters: Filters, n: int, first: int, end: int
     return found[-n:]
 
 
-def run_events(args) -> int:
-    if args.events_command != "tail":
-        raise ValueError("kvtier events: the only subcommand is `tail`")
-    since = parse_time(args.since) if args.since is not None else None
-    filters = Filters(tier=args.tier, kind=args.kind)
+def run_events(settings: EventsTailSettings) -> int:
+    """`kvtier events tail` (its only subcommand, so the parser has already chosen it)."""
+    since = parse_time(settings.since) if settings.since is not None else None
+    filters = Filters(tier=settings.tier, kind=settings.kind)
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await tail(args.nats, model=args.model, worker=args.worker, filters=filters, since=since,
-                          last=args.last, follow=args.follow, as_json=args.json, stop=stop)
+        return await tail(settings.nats_url, model=settings.model, worker=settings.worker, filters=filters,
+                          since=since, last=settings.last, follow=settings.follow, as_json=settings.json, stop=stop)
 
     asyncio.run(main())
     return 0

@@ -49,6 +49,7 @@ from kvtier.tools.replay import (
     scratch_target,
     stream_bounds,
 )
+from kvtier.tools.settings import ExplainSettings
 
 TIERS = ("device", "host", "disk", "predicted")
 _EPS = 1e-9
@@ -335,20 +336,22 @@ def to_json(ex: Explanation, found: Found, replay_report, namespace: str | None)
     }
 
 
-async def _explain(args) -> tuple[int, dict]:
-    nc = await connect(args.nats)
+async def _explain(settings: ExplainSettings, nats_url: str, redis_url: str) -> tuple[int, dict]:
+    """(exit code, the JSON result); the URLs are the settings', once checked given."""
+    request_id = settings.request_id
+    nc = await connect(nats_url)
     try:
         try:
-            found = await find_decision(nc, args.request_id, args.model)
+            found = await find_decision(nc, request_id, settings.model)
         except StreamReplayError as exc:
-            return _not_found(args, str(exc))
+            return _not_found(request_id, str(exc))
         if found.decision is None:
-            scope = f" for model {args.model}" if args.model else ""
+            scope = f" for model {settings.model}" if settings.model else ""
             held = (f"the {found.searched} decisions{scope} it holds (seq {found.first_seq}..{found.last_seq}, oldest "
                     f"{iso(found.oldest)})" if found.last_seq >= found.first_seq and found.oldest
                     else "it holds no decisions")
-            return _not_found(args, (
-                f"no decision with request id {args.request_id!r} in {DECISIONS_STREAM}: not among {held}. Either no "
+            return _not_found(request_id, (
+                f"no decision with request id {request_id!r} in {DECISIONS_STREAM}: not among {held}. Either no "
                 "router logged it (routers log decisions only with --nats; decisions queued while NATS was away may "
                 "be dropped), it was for another model, or it has expired (the stream keeps decisions for 7 days / "
                 "4 GiB, oldest first)"))
@@ -360,15 +363,15 @@ async def _explain(args) -> tuple[int, dict]:
             print(message)
             return 0, {"found": True, "request_id": decision.request_id, "reproduced": True, "note": message,
                        "recorded_chosen": decision.chosen}
-        scratch = scratch_target(args.redis)
+        scratch = scratch_target(redis_url)
         kept = None
         try:
             try:
-                report = await rebuild(args.nats, scratch, model=decision.model, at_time=decision.ts, nc=nc)
+                report = await rebuild(nats_url, scratch, model=decision.model, at_time=decision.ts, nc=nc)
             except RetentionBoundary as exc:
                 raise StreamReplayError(f"cannot rebuild the state at the decision's moment ({iso(decision.ts)}): "
                                         f"{exc}") from None
-            client = redis_async_client(args.redis, socket_timeout=10)
+            client = redis_async_client(redis_url, socket_timeout=10)
             try:
                 await seed_recorded_predictions(client, scratch.root, decision)
                 views = await OverlapReader(client, root=scratch.root).read(
@@ -376,14 +379,14 @@ async def _explain(args) -> tuple[int, dict]:
             finally:
                 await client.aclose()
         finally:
-            if args.keep:
-                if args.ttl:
-                    scratch.expire(args.ttl)
+            if settings.keep:
+                if settings.ttl_s:
+                    scratch.expire(settings.ttl_s)
                 kept = scratch.root
             else:
                 scratch.drop()
         ex = explain(decision, views)
-        note = (f"kept as namespace {kept}" + (f" for {args.ttl}s" if args.ttl else "") if kept
+        note = (f"kept as namespace {kept}" + (f" for {settings.ttl_s}s" if settings.ttl_s else "") if kept
                 else f"scratch namespace {scratch.root} dropped")
         print_explanation(ex, found, report, note)
         return (1 if ex.differences else 0), to_json(ex, found, report, kept)
@@ -391,17 +394,17 @@ async def _explain(args) -> tuple[int, dict]:
         await nc.close()
 
 
-def _not_found(args, message: str) -> tuple[int, dict]:
+def _not_found(request_id: str, message: str) -> tuple[int, dict]:
     print(message, file=sys.stderr)
-    return 2, {"found": False, "request_id": args.request_id, "error": message}
+    return 2, {"found": False, "request_id": request_id, "error": message}
 
 
-def run_explain(args) -> int:
-    if not args.nats or not args.redis:
+def run_explain(settings: ExplainSettings) -> int:
+    if not settings.nats_url or not settings.redis_url:
         raise StreamReplayError("kvtier replay explain needs --nats URL and --redis URL (or KVTIER_NATS, KVTIER_REDIS)")
     started = time.monotonic()
-    code, result = asyncio.run(_explain(args))
-    if args.json:
+    code, result = asyncio.run(_explain(settings, settings.nats_url, settings.redis_url))
+    if settings.json:
         result["elapsed_s"] = round(time.monotonic() - started, 3)
         print(json.dumps(result))
     return code

@@ -11,6 +11,7 @@ import redis
 from kvtier.plumbing.connections import redis_client
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.tiers import TIER_PRIORITY
+from kvtier.tools.settings import InspectSettings
 
 
 def collect(client: redis.Redis, model: str | None = None, worker: str | None = None) -> list[dict]:
@@ -42,14 +43,15 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
     return rows
 
 
-def run_inspect(args) -> int:
-    client = redis_client(args.redis, socket_timeout=5)
-    rows = collect(client, args.model, args.worker)
-    if args.json:
+def run_inspect(settings: InspectSettings) -> int:
+    client = redis_client(settings.redis_url, socket_timeout=5)
+    rows = collect(client, settings.model, settings.worker)
+    if settings.json:
         print(json.dumps(rows))
         return 0
     if not rows:
-        print("no workers in Redis yet" + (f" for model {args.model!r}" if args.model else ""), file=sys.stderr)
+        print("no workers in Redis yet" + (f" for model {settings.model!r}" if settings.model else ""),
+              file=sys.stderr)
         return 1
     header = (f"{'model':<20} {'worker':<16} {'lease':>6} {'device':>8} {'host':>8} {'disk':>7} {'ext':>5} "
               f"{'epoch':>14} {'seq':>7} {'applied':>8}  state")

@@ -45,6 +45,7 @@ from kvtier.schemas.sglang_server import GenerateBody, GenerateMetaInfo, Samplin
 from kvtier.schemas.state_keys import ModelKeys, as_text, page_member
 from kvtier.schemas.subjects import EVENTS_STREAM, stored_events_subject_pattern
 from kvtier.schemas.tiers import Tier
+from kvtier.tools.settings import ProbeSettings
 
 log = logging.getLogger("kvtier.probe")
 
@@ -281,22 +282,6 @@ class ProbeReport(msgspec.Struct, kw_only=True):
 
 # --- I/O ------------------------------------------------------------------------------------
 @dataclass
-class ProbeConfig:
-    worker_url: str
-    worker_id: str
-    model: str
-    nats_url: str
-    redis_url: str
-    page_size: int | None = None
-    prefix_tokens: int = 2048
-    evict_prefixes: int = 64
-    seed: int | None = None
-    watch_timeout_s: float = 5.0
-    request_timeout_s: float = 300.0
-    api_key: str = ""
-
-
-@dataclass
 class _Seen:
     stream_seq: int
     message: EventBatch | WorkerAnnounce | WorkerExpired
@@ -363,7 +348,7 @@ class EventWatcher:
 
 
 class Probe:
-    def __init__(self, config: ProbeConfig):
+    def __init__(self, config: ProbeSettings):
         self.config = config
         self.url = config.worker_url.rstrip("/")
         self.watcher = EventWatcher()
@@ -624,14 +609,10 @@ def render(report: ProbeReport) -> str:
     return "\n".join(lines)
 
 
-def run_probe_cli(args) -> int:
-    config = ProbeConfig(worker_url=args.worker_url, worker_id=args.worker_id, model=args.model, nats_url=args.nats,
-                         redis_url=args.redis, page_size=args.page_size, prefix_tokens=args.prefix_tokens,
-                         evict_prefixes=args.evict_prefixes, seed=args.seed, watch_timeout_s=args.watch_timeout,
-                         request_timeout_s=args.request_timeout, api_key=args.api_key)
-    report = asyncio.run(Probe(config).run())
+def run_probe_cli(settings: ProbeSettings) -> int:
+    report = asyncio.run(Probe(settings).run())
     print(render(report), flush=True)
-    if args.json:
+    if settings.json:
         print(msgspec.json.encode(report).decode(), flush=True)
     sys.stdout.flush()
     return 0

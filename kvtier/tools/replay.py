@@ -46,6 +46,7 @@ from kvtier.schemas.events import EventBatch, UnsupportedVersion, WorkerAnnounce
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, split_member
 from kvtier.schemas.subjects import EVENTS_PREFIX, EVENTS_STREAM, parse_events_subject, subject_token
 from kvtier.schemas.tiers import TIER_PRIORITY
+from kvtier.tools.settings import ReplaySettings
 
 #: Prefix of generated scratch namespaces.
 SCRATCH_PREFIX = "kvtreplay-"
@@ -514,36 +515,37 @@ def print_states(states: dict[tuple[str, str], WorkerState], now_ms: float) -> N
               f"{p['external']:>5} {f'{s.epoch}:{s.seq}':>16} {lease:>6}  {'STALE' if s.stale else 'ok'}")
 
 
-def run_replay(args) -> int:
+def run_replay(settings: ReplaySettings) -> int:
     """`kvtier replay` (kvtier/commands/replay.py sends `kvtier replay explain` to kvtier/tools/explain.py)."""
-    if not args.redis:
+    if not settings.redis_url:
         raise StreamReplayError("kvtier replay needs --redis URL (or KVTIER_REDIS)")
-    if args.drop is not None:
-        namespace = args.drop or (DEFAULT_ROOT if args.into_db is not None else "")
+    if settings.drop is not None:
+        namespace = settings.drop or (DEFAULT_ROOT if settings.into_db is not None else "")
         if not namespace:
             raise StreamReplayError("--drop needs a NAMESPACE (or --into-db N to drop the kvt keys of database N)")
-        scratch, n = drop_namespace(args.redis, namespace, args.into_db)
+        scratch, n = drop_namespace(settings.redis_url, namespace, settings.into_db)
         print(f"dropped {n} keys of {scratch.label}")
-        if args.json:
-            print(json.dumps({"dropped": n, "namespace": namespace, "db": args.into_db}))
+        if settings.json:
+            print(json.dumps({"dropped": n, "namespace": namespace, "db": settings.into_db}))
         return 0
-    if not args.nats:
+    if not settings.nats_url:
         raise StreamReplayError("kvtier replay needs --nats URL (or KVTIER_NATS)")
-    at_time = parse_time(args.at_time) if args.at_time is not None else None
-    scratch = scratch_target(args.redis, args.into, args.into_db)
+    at_time = parse_time(settings.at_time) if settings.at_time is not None else None
+    scratch = scratch_target(settings.redis_url, settings.into, settings.into_db)
     started = time.monotonic()
     try:
-        report = asyncio.run(rebuild(args.nats, scratch, model=args.model, worker=args.worker,
-                                     at_seq=args.at_seq, at_time=at_time))
+        report = asyncio.run(rebuild(settings.nats_url, scratch, model=settings.model, worker=settings.worker,
+                                     at_seq=settings.at_seq, at_time=at_time))
     except BaseException:
         scratch.drop()  # nothing half-built is left behind
         raise
-    if args.ttl:
-        scratch.expire(args.ttl)
+    if settings.ttl_s:
+        scratch.expire(settings.ttl_s)
     elapsed = time.monotonic() - started
-    replayed = read_states(scratch.client, scratch.root, args.model, args.worker)
-    scope = (f"model {args.model}" if args.model else "all models") + (f", worker {args.worker}" if args.worker else "")
-    point = (f"seq {args.at_seq}" if args.at_seq is not None else
+    replayed = read_states(scratch.client, scratch.root, settings.model, settings.worker)
+    scope = ((f"model {settings.model}" if settings.model else "all models")
+             + (f", worker {settings.worker}" if settings.worker else ""))
+    point = (f"seq {settings.at_seq}" if settings.at_seq is not None else
              f"{iso(at_time)}" if at_time is not None else f"now (seq {report.bound_seq})")
     print(f"rebuilt tier state at {point} for {scope} into {scratch.label} in {elapsed:.2f}s")
     print(f"  read KVTIER_EVENTS seq {report.stream_first_seq}..{report.last_seq or '-'} "
@@ -552,7 +554,7 @@ def run_replay(args) -> int:
           f"{report.announces} announcements, {len(report.expired)} leases expired, {len(report.rebased)} rebased"
           + (f", {report.undecodable} undecodable" if report.undecodable else "")
           + (f", {report.wrong_subject} on a wrong subject" if report.wrong_subject else ""))
-    keep = (f"keys expire in {args.ttl}s" if args.ttl else "keys kept until dropped")
+    keep = (f"keys expire in {settings.ttl_s}s" if settings.ttl_s else "keys kept until dropped")
     print(f"  {keep}; drop now: kvtier replay --drop {scratch.root} --redis URL"
           + (f" --into-db {scratch.db}" if scratch.db is not None else ""))
     print_states(replayed, (report.end_time or time.time()) * 1000)
@@ -566,10 +568,10 @@ def run_replay(args) -> int:
                            "pages": s.pages()} for s in replayed.values()],
               "elapsed_s": round(elapsed, 3)}
     code = 0
-    if args.diff:
-        live_client = redis_client(args.redis, socket_timeout=10)
-        live = read_states(live_client, DEFAULT_ROOT, args.model, args.worker)
-        diffs = diff_states(live, read_states(scratch.client, scratch.root, args.model, args.worker))
+    if settings.diff:
+        live_client = redis_client(settings.redis_url, socket_timeout=10)
+        live = read_states(live_client, DEFAULT_ROOT, settings.model, settings.worker)
+        diffs = diff_states(live, read_states(scratch.client, scratch.root, settings.model, settings.worker))
         diverging = sum(d.pages for d in diffs)
         print(f"diff against the live state ({DEFAULT_ROOT}): " + (
             f"{diverging} pages diverge on {sum(1 for d in diffs if d.pages)} worker(s)" if diverging
@@ -586,6 +588,6 @@ def run_replay(args) -> int:
                   "(or the live state was changed outside the stream)")
         result["diff"] = {"diverging_pages": diverging, "workers": [asdict(d) | {"pages": d.pages} for d in diffs]}
         code = 1 if diverging else 0
-    if args.json:
+    if settings.json:
         print(json.dumps(result))
     return code

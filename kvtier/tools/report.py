@@ -26,6 +26,7 @@ from kvtier.consumers.pull import read_stream
 from kvtier.plumbing.timefmt import TimeFormatError, iso, parse_time
 from kvtier.schemas.subjects import DECISIONS_STREAM, EVENTS_STREAM
 from kvtier.tools import plots
+from kvtier.tools.settings import ReportSettings
 
 MOVE_KINDS = ("stored", "removed", "copy", "promotion", "demotion", "eviction")
 DROP_KINDS = ("cleared", "new_epoch", "gap", "lease_expired")
@@ -335,11 +336,11 @@ def _decisions(a: TierAnalytics, summary: dict, path: pathlib.Path) -> None:
     plots.save(fig, path)
 
 
-def run_report(args) -> int:
+def run_report(settings: ReportSettings) -> int:
     now = time.time()
     try:
-        since = parse_time(args.since, now)
-        until = parse_time(args.until, now) if args.until else now
+        since = parse_time(settings.since, now)
+        until = parse_time(settings.until, now) if settings.until else now
     except TimeFormatError as exc:
         print(f"kvtier report: {exc}", file=sys.stderr)
         return 2
@@ -349,13 +350,13 @@ def run_report(args) -> int:
         return 2
     started = time.monotonic()
     try:
-        data = asyncio.run(collect(args.nats, since, until, args.model or None, bins=args.bins,
-                                   writeback_window_s=args.writeback_window))
+        data = asyncio.run(collect(settings.nats_url, since, until, settings.model or None, bins=settings.bins,
+                                   writeback_window_s=settings.writeback_window_s))
     except ReportError as exc:
         print(f"kvtier report: {exc}", file=sys.stderr)
         return 2
     summary = summarize(data)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(data, summary, out)
     write_summary(summary, out / "summary.md", plots)
@@ -367,6 +368,6 @@ def run_report(args) -> int:
           f"{tr['promotion']} promotions / {tr['demotion']} demotions / {tr['eviction']} evictions, "
           f"{summary['decisions']} decisions")
     print(f"wrote {out / 'summary.md'}" + (", " + ", ".join(plots) if plots else " (no plots: pip install matplotlib)"))
-    if args.json:
+    if settings.json:
         print(json.dumps(summary, separators=(",", ":")))
     return 0

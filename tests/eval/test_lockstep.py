@@ -197,7 +197,7 @@ def test_a_replay_report_puts_the_oracle_and_bounds_beside_every_policy():
     report = build_report("sample", requests, settings, [1, 2])
     policies = report["policies"]
     assert set(policies) == {"random", "round_robin", "least_load", "device_only", "tier_aware",
-                             "tier_aware_shared", "oracle"}
+                             "tier_aware_shared", "oracle", "ttft_oracle"}
     assert set(report["bounds"]) == {"infinite", "pooled_lru"}
     assert report["bounds"]["infinite"]["reused_pct"] >= report["bounds"]["pooled_lru"]["reused_pct"]
     for summary in policies.values():

@@ -10,6 +10,7 @@ import nats
 import pytest
 
 from kvtier.bench.faults import KINDS, run_faults
+from kvtier.bench.settings import FaultsBench
 from kvtier.consumers.apply import read_worker_pages
 from kvtier.schemas.hashes import sglang_block_hashes
 from kvtier.schemas.sglang import BlockStored
@@ -34,8 +35,8 @@ def test_fault_suite_every_kind_ends_exact(tmp_path):
     own view."""
     started = time.monotonic()
     said: list[str] = []
-    result = run_faults(faults=12, seed=3, duration=60, workers=2, processors=2, rate=30, lease_s=4.0,
-                        say=lambda *a: said.append(" ".join(map(str, a))), log_dir=str(tmp_path))
+    result = run_faults(FaultsBench(faults=12, seed=3, duration=60, workers=2, processors=2, rate=30, lease=4.0,
+                                    log_dir=str(tmp_path)), say=lambda *a: said.append(" ".join(map(str, a))))
     assert set(result["faults_by_kind"]) == set(KINDS)
     assert result["faults_by_kind"]["redis_loss"] == 1
     assert result["not_recovered"] == 0, result["schedule"]

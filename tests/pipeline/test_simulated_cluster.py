@@ -167,9 +167,12 @@ def test_demo_completes_and_writes_its_report(tmp_path):
     assert report["via"]["tier_aware_shared"] == "pipeline" and report["via"]["device_only"] == "pipeline"
     assert all(r["requests"] == 60 and r["degraded_decisions"] == 0 for r in report["policies"].values())
     assert set(report["bounds"]) == {"infinite", "pooled_lru"}
-    # the sweep: host pool 0/2/4/8 with and without L3 (no L3 without a host pool), a verdict each
-    assert [(p["host_ratio"], p["l3"]) for p in report["sweep"]] == [(2, True), (4, True), (8, True), (0, False),
-                                                                     (2, False), (4, False), (8, False)]
+    # the sweep: host pool 0/2/4/8 with and without L3 (no L3 without a host pool), then one worker of the
+    # two at half speed beside the TTFT oracle, a verdict each
+    assert [(p["host_ratio"], p["l3"], p["speeds"]) for p in report["sweep"]] == [
+        (2, True, None), (4, True, None), (8, True, None), (0, False, None), (2, False, None), (4, False, None),
+        (8, False, None), (2, True, [1.0, 0.5])]
     assert all(p["verdict"] for p in report["sweep"])
+    assert "ttft_oracle" in report["sweep"][-1]["policies"] and "least true TTFT" in report["sweep"][-1]["verdict"]
     assert (tmp_path / "policies.png").stat().st_size > 10_000
     assert "verdict:" in out.stdout and "infinite cache" in out.stdout and "host:device" in out.stdout

@@ -250,7 +250,7 @@ def test_mla_worker_is_discovered_over_http(sgl):
     info = server_info(kv_events, tp_size=2, attn_dp_size=2, enable_dp_attention=True,
                        hicache_storage_backend="mooncake", kv_events_config=json.dumps(events_config(5557, 5558)))
     with FakeSglang(info, sgl.l3_reply([mooncake_layout(True), mooncake_layout(True)])) as server:
-        served, layout = fetch(server.url + "/")
+        served, layout = fetch(server.url + "/", timeout_s=5)
         settings = discover(server.url, served, layout, WorkerFlags())
     assert kv_events["endpoint_host"] == "*" and kv_events["dp_size"] == 2  # SGLang's own descriptor
     assert (settings.endpoint, settings.replay_endpoint) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
@@ -385,7 +385,7 @@ def test_an_older_server_without_the_descriptor(sgl):
                        kv_events_config=json.dumps(events_config(5600, 5700, host="0.0.0.0", topic="t")))
     del info["kv_events"]
     with FakeSglang(info, None, legacy=True) as server:
-        served, layout = fetch(server.url)
+        served, layout = fetch(server.url, timeout_s=5)
         assert layout is None and server.requests == ["/get_server_info"]
         settings = discover(server.url, served, layout, WorkerFlags())
         assert (settings.endpoint, settings.replay_endpoint, settings.topic) == (
@@ -402,8 +402,8 @@ def test_api_key_and_unreachable_server():
     info = server_info({"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 1, "block_size": 4})
     with FakeSglang(info, None, api_key="s3cret") as server:
         with pytest.raises(DiscoveryError, match="HTTP 401.*--sglang-api-key"):
-            fetch(server.url)
-        assert fetch(server.url, api_key="s3cret")[0].kv_events.block_size == 4
+            fetch(server.url, timeout_s=5)
+        assert fetch(server.url, timeout_s=5, api_key="s3cret")[0].kv_events.block_size == 4
     with pytest.raises(DiscoveryError, match=r"cannot reach SGLang at http://127\.0\.0\.1:\d+"):
         fetch(f"127.0.0.1:{free_port()}", timeout_s=2)
 

@@ -8,6 +8,8 @@ import json
 
 import msgspec
 
+from kvtier.tools.settings import DoctorSettings
+
 from .judge import diagnose, exit_code, shorten
 from .observe import observe
 from .views import Finding, Status
@@ -52,14 +54,14 @@ def report_json(findings: list[Finding], strict: bool = False) -> str:
     })
 
 
-def run_doctor(args) -> int:
+def run_doctor(settings: DoctorSettings) -> int:
     import logging
 
     logging.getLogger("nats").setLevel(logging.CRITICAL)  # connection errors are findings here
-    obs = asyncio.run(observe(args.nats, args.redis, list(args.router or []), args.mooncake_master or "",
-                              args.model or None, args.events_window, args.timeout))
+    obs = asyncio.run(observe(settings.nats_url, settings.redis_url, list(settings.routers), settings.mooncake_master,
+                              settings.model or None, settings.events_window_s, settings.timeout_s))
     findings = diagnose(obs)
-    print(render(findings, args.strict), flush=True)
-    if args.json:
-        print(report_json(findings, args.strict), flush=True)
-    return exit_code(findings, args.strict)
+    print(render(findings, settings.strict), flush=True)
+    if settings.json:
+        print(report_json(findings, settings.strict), flush=True)
+    return exit_code(findings, settings.strict)

@@ -1,0 +1,67 @@
+-- One worker's learned rates after one first token: router/rates.py's `observe`, inside Redis,
+-- so every router replica's releases update the one fit each worker has, and a new replica
+-- reads what the others learned (tests/router/test_rates.py holds the two to the same numbers).
+-- KEYS: 1 the model's rates hash (field: worker id, value: schemas/rates.py's encoding)
+-- ARGV: 1 worker id, 2-4 compute / host-load / L3-load tokens the decision predicted,
+--       5 the first token's seconds, 6-8 the prior's tokens/s of each kind,
+--       9 forgetting, 10 outlier errors, 11 error memory, 12 warmup, 13 lowest multiplier,
+--       14 highest multiplier, 15 max uncertainty, 16 kinds correlated
+-- Returns the worker's fit after the sample, encoded (unchanged when the sample says nothing).
+local worker = ARGV[1]
+local work = {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
+local ttft = tonumber(ARGV[5])
+local forgetting, outliers, memory_w = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local warmup, low, high = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+local max_uncertainty, rho = tonumber(ARGV[15]), tonumber(ARGV[16])
+
+local held = redis.call('HGET', KEYS[1], worker)
+local f = {}
+if held then
+  for part in string.gmatch(held, '%S+') do f[#f + 1] = tonumber(part) end
+else  -- the first fit: the prior's rates, unsure by one, the kinds correlated by rho
+  f = {1.0, 1.0, 1.0, 1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0, 0.0, 0}
+end
+local function encode(v)
+  local out = {}
+  for i = 1, 13 do out[i] = string.format('%.17g', v[i]) end
+  out[14] = string.format('%d', v[14])
+  return table.concat(out, ' ')
+end
+
+local x = {work[1] * (1 / tonumber(ARGV[6])), work[2] * (1 / tonumber(ARGV[7])), work[3] * (1 / tonumber(ARGV[8]))}
+-- (ttft > 0 is false for NaN too: a time that is not positive says nothing)
+if not (ttft > 0) or not (x[1] > 0 or x[2] > 0 or x[3] > 0) then
+  return held or encode(f)
+end
+local theta = {f[1], f[2], f[3]}
+local p = {f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]}
+local err_s, samples = f[13], f[14]
+local err = ttft - (((0 + theta[1] * x[1]) + theta[2] * x[2]) + theta[3] * x[3])
+if samples >= warmup and err_s > 0 then
+  local bound = outliers * err_s
+  err = math.min(math.max(err, -bound), bound)
+end
+local px = {}
+for i = 0, 2 do
+  px[i + 1] = (p[3 * i + 1] * x[1] + p[3 * i + 2] * x[2]) + p[3 * i + 3] * x[3]
+end
+local denominator = ((forgetting + x[1] * px[1]) + x[2] * px[2]) + x[3] * px[3]
+local gain = {px[1] / denominator, px[2] / denominator, px[3] / denominator}
+local out = {}
+for i = 1, 3 do out[i] = math.min(math.max(theta[i] + gain[i] * err, low), high) end
+for i = 0, 2 do
+  for j = 0, 2 do
+    out[4 + 3 * i + j] = (p[3 * i + j + 1] - gain[i + 1] * px[j + 1]) / forgetting
+  end
+end
+local trace = (out[4] + out[8]) + out[12]
+if trace > max_uncertainty then
+  for k = 4, 12 do out[k] = out[k] * max_uncertainty / trace end
+end
+local memory = memory_w
+if samples == 0 then memory = 1.0 end
+out[13] = (1 - memory) * err_s + memory * math.abs(err)
+out[14] = samples + 1
+local encoded = encode(out)
+redis.call('HSET', KEYS[1], worker, encoded)
+return encoded

@@ -1,0 +1,157 @@
+"""Each worker's rates, learned from what a router observes, and the formula priced at them:
+pure functions (no I/O, no clock), the spec the Redis twin (learn_rates.lua) is checked
+against.
+
+Learning. A decision predicts the work a first token waits for on its worker: tokens to
+compute (the request's recompute plus the prefill booked ahead of it), host pages to load
+back, shared-pool pages to fetch. When the first token comes, the router knows how long it
+took. `observe` fits first-token seconds = sum(tokens x prior seconds per token x multiplier)
+per worker by recursive least squares:
+- forgetting (each old sample weighs `forgetting` times less per new one), so a worker that
+  slows down is seen within tens of requests;
+- outliers cut: an error beyond `outlier_errors` times the running mean error counts as that
+  bound (a stalled request, a client that reports late) once the fit has warmed up;
+- bounded: multipliers stay within `bounds`, and the covariance's trace within
+  `max_uncertainty`, so a long quiet spell cannot make the next sample swing the fit.
+
+Pricing. `priced_logits` is the scoring formula (router/scoring.py) with each worker's terms
+priced relative to the typical (median) worker: its prefill work weighs its compute
+multiplier over the typical one, and its host and pool credits shrink where its loads are
+slower than its compute relative to the typical worker. On a cluster of equal workers every
+factor is 1 and the decisions are the formula's, whatever the prior.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.router import scoring
+from kvtier.schemas.rates import RateFit, RatePrior
+from kvtier.schemas.routing import ScoringWeights
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    #: 0.96: a sample 60 requests old weighs a tenth of the newest; after a slowdown the fit is
+    #: within 10% of the new rates by then.
+    forgetting: float = 0.96
+    outlier_errors: float = 4.0
+    #: Weight of the newest error in the running mean error.
+    error_memory: float = 0.05
+    #: Samples before outliers are cut (until then the mean error is not known).
+    warmup: int = 10
+    bounds: tuple[float, float] = (0.05, 50.0)
+    max_uncertainty: float = 30.0
+    #: How much the prior believes a worker slow at one kind of work is slow at the others (a
+    #: slower card computes and loads slower): what is learned of its compute, which every
+    #: request shows, carries over to its loads until they are seen themselves.
+    kinds_correlated: float = 0.9
+
+    def first_fit(self) -> RateFit:
+        """A worker's fit before its first sample: the prior's rates, unsure by one."""
+        rho = self.kinds_correlated
+        return RateFit(covariance=(1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0))
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a decision predicted its first token waits for, in tokens."""
+
+    compute_tokens: float
+    host_tokens: float
+    l3_tokens: float
+
+    def nominal_s(self, prior: RatePrior) -> tuple[float, float, float]:
+        """Each kind's seconds at the prior's rates (the fit's regressors)."""
+        p, h, l3 = prior.seconds_per_token()
+        return (self.compute_tokens * p, self.host_tokens * h, self.l3_tokens * l3)
+
+
+def predict_s(fit: RateFit, prior: RatePrior, work: Work) -> float:
+    return sum(m * x for m, x in zip(fit.multipliers, work.nominal_s(prior)))
+
+
+def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings: FitSettings = FitSettings()
+            ) -> RateFit:
+    """The fit after one first token that took `ttft_s` for `work`. A sample that says nothing
+    (no work predicted, a time that is not positive) leaves the fit as it was."""
+    x = work.nominal_s(prior)
+    if not ttft_s > 0 or not any(v > 0 for v in x):
+        return fit
+    theta, p = fit.multipliers, fit.covariance
+    error = ttft_s - sum(m * v for m, v in zip(theta, x))
+    if fit.samples >= settings.warmup and fit.error_s > 0:
+        bound = settings.outlier_errors * fit.error_s
+        error = min(max(error, -bound), bound)
+    px = [p[3 * i] * x[0] + p[3 * i + 1] * x[1] + p[3 * i + 2] * x[2] for i in range(3)]
+    denominator = settings.forgetting + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+    gain = [v / denominator for v in px]
+    low, high = settings.bounds
+    multipliers = tuple(min(max(theta[i] + gain[i] * error, low), high) for i in range(3))
+    covariance = [(p[3 * i + j] - gain[i] * px[j]) / settings.forgetting for i in range(3) for j in range(3)]
+    trace = covariance[0] + covariance[4] + covariance[8]
+    if trace > settings.max_uncertainty:
+        covariance = [c * settings.max_uncertainty / trace for c in covariance]
+    memory = settings.error_memory if fit.samples else 1.0
+    return RateFit(multipliers=(multipliers[0], multipliers[1], multipliers[2]), covariance=tuple(covariance),
+                   error_s=(1 - memory) * fit.error_s + memory * abs(error), samples=fit.samples + 1)
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """One worker's factors relative to the typical worker (all 1: priced as the formula)."""
+
+    compute: float = 1.0
+    host_load: float = 1.0  # its host loads against its compute, over the typical worker's
+    l3_load: float = 1.0
+
+
+#: Workers whose factors differ by less than this are priced alike: the fit's noise must not
+#: turn the formula's ties, which its random draw spreads over equal workers, into a rule that
+#: always picks whichever worker's fit came out a hair faster.
+EQUAL_WITHIN = 0.05
+
+
+def _snap(factor: float) -> float:
+    return 1.0 if abs(factor - 1.0) < EQUAL_WITHIN else factor
+
+
+def relative_pricing(fits: Sequence[RateFit | None]) -> list[Pricing]:
+    """Each worker's Pricing against the median of the fits given; a worker with no fit yet is
+    priced as the typical one."""
+    known = [f.multipliers for f in fits if f is not None]
+    if not known:
+        return [Pricing() for _ in fits]
+    compute = statistics.median(m[0] for m in known)
+    host = statistics.median(m[1] / m[0] for m in known)
+    l3 = statistics.median(m[2] / m[0] for m in known)
+    return [Pricing() if f is None else
+            Pricing(compute=_snap(f.multipliers[0] / compute),
+                    host_load=_snap(f.multipliers[1] / f.multipliers[0] / host),
+                    l3_load=_snap(f.multipliers[2] / f.multipliers[0] / l3))
+            for f in fits]
+
+
+def _clip01(value: float) -> float:
+    return min(max(value, 0.0), 1.0)
+
+
+def priced_logit(request_pages: int, candidate: scoring.CandidateInputs, weights: ScoringWeights,
+                 pricing: Pricing) -> float:
+    """The formula's logit for one worker at its pricing: a host page saves what it saves on
+    the typical worker scaled by how much slower this worker's loads are than its compute."""
+    host_weight = _clip01(1 - (1 - weights.host_cache_hit_weight) * pricing.host_load)
+    shared_weight = _clip01(1 - (1 - weights.shared_cache_multiplier) * pricing.l3_load)
+    overlap = candidate.overlap
+    credit = (weights.overlap_score_credit * overlap.device + host_weight * overlap.host
+              + weights.disk_cache_hit_weight * overlap.disk + shared_weight * overlap.shared_beyond
+              + weights.predicted_page_weight * overlap.predicted)
+    adjusted = max(request_pages + candidate.prefill_load - credit, 0.0)
+    return weights.prefill_load_scale * pricing.compute * adjusted + candidate.decode_load
+
+
+def priced_logits(request_pages: int, candidates: Sequence[scoring.CandidateInputs], weights: ScoringWeights,
+                  pricing: Sequence[Pricing]) -> list[float]:
+    return [priced_logit(request_pages, c, weights, p) for c, p in zip(candidates, pricing)]

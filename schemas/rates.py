@@ -1,0 +1,57 @@
+"""Each worker's learned rates, as kept in Redis (`kvt:{model}:rates`, one field per worker)
+and shown by /healthz and `kvtier inspect`: the fit of router/rates.py, declared once.
+
+A rate is a multiplier on the prior's seconds per token (1.0: the worker runs as the prior
+says; 2.0: it takes twice as long), for the three kinds of work a first token waits for:
+computing tokens (the request's own recompute and the prefill work booked ahead of it),
+loading host pages back to the GPU, and fetching shared-pool (L3) pages."""
+
+from __future__ import annotations
+
+import msgspec
+
+#: The kinds of work, in the order of every tuple below.
+WORK_KINDS = ("compute", "host_load", "l3_load")
+
+
+class RatePrior(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker is assumed to do before anything is learned, in tokens per second
+    (Llama-3.1-8B bf16 on one H100: docs/COST_MODEL.md)."""
+
+    compute_tokens_per_s: float = 20000.0
+    #: 131,072 KV bytes per token over 25 GB/s of host -> GPU copy.
+    host_load_tokens_per_s: float = 190_734.0
+    #: Mooncake -> host at 20 GB/s, then the load back.
+    l3_load_tokens_per_s: float = 84_771.0
+
+    def seconds_per_token(self) -> tuple[float, float, float]:
+        return (1 / self.compute_tokens_per_s, 1 / self.host_load_tokens_per_s, 1 / self.l3_load_tokens_per_s)
+
+
+class RateFit(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's online fit: first-token time = sum over kinds of (tokens x prior seconds
+    per token x multiplier), by recursive least squares with forgetting."""
+
+    multipliers: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    #: The fit's covariance, row by row (3 x 3): how unsure each multiplier still is.
+    covariance: tuple[float, ...] = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+    #: Running mean absolute error of the fit's predictions, in seconds (cuts outliers).
+    error_s: float = 0.0
+    samples: int = 0
+
+
+def encode_fit(fit: RateFit) -> str:
+    """The fit as Redis holds it: 14 numbers, space-separated (multipliers, covariance, mean
+    error, samples), each float with 17 significant digits so it reads back exactly (the
+    encoding learn_rates.lua writes)."""
+    floats = (*fit.multipliers, *fit.covariance, fit.error_s)
+    return " ".join([*(format(v, ".17g") for v in floats), str(fit.samples)])
+
+
+def decode_fit(text: str | bytes) -> RateFit:
+    """ValueError when `text` is not a fit's encoding."""
+    parts = (text.decode() if isinstance(text, bytes) else text).split()
+    if len(parts) != 14:
+        raise ValueError(f"a worker's rates are 14 numbers, got {len(parts)}")
+    v = [float(part) for part in parts[:13]]
+    return RateFit(multipliers=(v[0], v[1], v[2]), covariance=tuple(v[3:12]), error_s=v[12], samples=int(parts[13]))
