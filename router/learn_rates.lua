@@ -5,41 +5,55 @@
 -- ARGV: 1 worker id, 2-4 compute / host-load / L3-load tokens the decision predicted,
 --       5 the first token's seconds, 6-8 the prior's tokens/s of each kind,
 --       9 forgetting, 10 outlier errors, 11 error memory, 12 warmup, 13 lowest multiplier,
---       14 highest multiplier, 15 max uncertainty, 16 kinds correlated
+--       14 highest multiplier, 15 max uncertainty, 16 kinds correlated, 17 change after
 -- Returns the worker's fit after the sample, encoded (unchanged when the sample says nothing).
 local worker = ARGV[1]
 local work = {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 local ttft = tonumber(ARGV[5])
 local forgetting, outliers, memory_w = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local warmup, low, high = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
-local max_uncertainty, rho = tonumber(ARGV[15]), tonumber(ARGV[16])
+local max_uncertainty, rho, change_after = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
 
 local held = redis.call('HGET', KEYS[1], worker)
 local f = {}
 if held then
   for part in string.gmatch(held, '%S+') do f[#f + 1] = tonumber(part) end
 else  -- the first fit: the prior's rates, unsure by one, the kinds correlated by rho
-  f = {1.0, 1.0, 1.0, 1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0, 0.0, 0}
+  f = {1.0, 1.0, 1.0, 1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0, 0.0, 0, 0}
 end
 local function encode(v)
   local out = {}
   for i = 1, 13 do out[i] = string.format('%.17g', v[i]) end
   out[14] = string.format('%d', v[14])
+  out[15] = string.format('%d', v[15])
   return table.concat(out, ' ')
 end
 
-local x = {work[1] * (1 / tonumber(ARGV[6])), work[2] * (1 / tonumber(ARGV[7])), work[3] * (1 / tonumber(ARGV[8]))}
+local nominal = {work[1] * (1 / tonumber(ARGV[6])), work[2] * (1 / tonumber(ARGV[7])),
+                 work[3] * (1 / tonumber(ARGV[8]))}
 -- (ttft > 0 is false for NaN too: a time that is not positive says nothing)
-if not (ttft > 0) or not (x[1] > 0 or x[2] > 0 or x[3] > 0) then
+if not (ttft > 0) or not (nominal[1] > 0 or nominal[2] > 0 or nominal[3] > 0) then
   return held or encode(f)
 end
 local theta = {f[1], f[2], f[3]}
 local p = {f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]}
-local err_s, samples = f[13], f[14]
-local err = ttft - (((0 + theta[1] * x[1]) + theta[2] * x[2]) + theta[3] * x[3])
+local err_s, samples, streak_was = f[13], f[14], f[15]
+-- relative to the prediction: every request teaches as much, whatever its size
+local predicted = ((0 + theta[1] * nominal[1]) + theta[2] * nominal[2]) + theta[3] * nominal[3]
+local x = {nominal[1] / predicted, nominal[2] / predicted, nominal[3] / predicted}
+local err = ttft / predicted - 1.0
+local streak = 0
 if samples >= warmup and err_s > 0 then
   local bound = outliers * err_s
-  err = math.min(math.max(err, -bound), bound)
+  if math.abs(err) > bound then
+    -- beyond the bound again, the same way: a run of them is a change, not an outlier
+    if err * streak_was > 0 then streak = streak_was + 1 elseif err > 0 then streak = 1 else streak = -1 end
+    if math.abs(streak) < change_after then
+      err = math.min(math.max(err, -bound), bound)
+    elseif math.abs(streak) == change_after then  -- the worker changed: as unsure as at the start
+      p = {1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0}
+    end
+  end
 end
 local px = {}
 for i = 0, 2 do
@@ -62,6 +76,7 @@ local memory = memory_w
 if samples == 0 then memory = 1.0 end
 out[13] = (1 - memory) * err_s + memory * math.abs(err)
 out[14] = samples + 1
+out[15] = streak
 local encoded = encode(out)
 redis.call('HSET', KEYS[1], worker, encoded)
 return encoded

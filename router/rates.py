@@ -9,8 +9,12 @@ took. `observe` fits first-token seconds = sum(tokens x prior seconds per token 
 per worker by recursive least squares:
 - forgetting (each old sample weighs `forgetting` times less per new one), so a worker that
   slows down is seen within tens of requests;
+- relative: each sample weighs as much as any other, whatever the size of its request;
 - outliers cut: an error beyond `outlier_errors` times the running mean error counts as that
-  bound (a stalled request, a client that reports late) once the fit has warmed up;
+  bound (a stalled request, a client that reports late) once the fit has warmed up, unless it
+  is the `change_after`-th such error in a row the same way: then the worker changed, and the
+  fit becomes as unsure as it was at the start, so it learns the new rates within tens of
+  requests;
 - bounded: multipliers stay within `bounds`, and the covariance's trace within
   `max_uncertainty`, so a long quiet spell cannot make the next sample swing the fit.
 
@@ -42,6 +46,9 @@ class FitSettings:
     error_memory: float = 0.05
     #: Samples before outliers are cut (until then the mean error is not known).
     warmup: int = 10
+    #: This many errors in a row beyond the bound, all one way, are a change of the worker's
+    #: speed, not outliers: from the last of them on they count in full.
+    change_after: int = 3
     bounds: tuple[float, float] = (0.05, 50.0)
     max_uncertainty: float = 30.0
     #: How much the prior believes a worker slow at one kind of work is slow at the others (a
@@ -76,15 +83,28 @@ def predict_s(fit: RateFit, prior: RatePrior, work: Work) -> float:
 def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings: FitSettings = FitSettings()
             ) -> RateFit:
     """The fit after one first token that took `ttft_s` for `work`. A sample that says nothing
-    (no work predicted, a time that is not positive) leaves the fit as it was."""
-    x = work.nominal_s(prior)
-    if not ttft_s > 0 or not any(v > 0 for v in x):
+    (no work predicted, a time that is not positive) leaves the fit as it was.
+
+    Each sample is taken relative to what the fit predicted for it (regressors and time divided
+    by the prediction), so a 40 ms first token teaches as much as a 2 s one, and the forgetting
+    counts requests whatever their size; errors and the outlier bound are relative too."""
+    nominal = work.nominal_s(prior)
+    if not ttft_s > 0 or not any(v > 0 for v in nominal):
         return fit
     theta, p = fit.multipliers, fit.covariance
-    error = ttft_s - sum(m * v for m, v in zip(theta, x))
-    if fit.samples >= settings.warmup and fit.error_s > 0:
-        bound = settings.outlier_errors * fit.error_s
-        error = min(max(error, -bound), bound)
+    predicted = sum(m * v for m, v in zip(theta, nominal))  # > 0: multipliers are bounded above 0
+    x = [v / predicted for v in nominal]
+    error = ttft_s / predicted - 1.0
+    streak = 0
+    if fit.samples >= settings.warmup and fit.relative_error > 0:
+        bound = settings.outlier_errors * fit.relative_error
+        if abs(error) > bound:
+            # beyond the bound again, the same way: a run of them is a change, not an outlier
+            streak = fit.streak + 1 if error * fit.streak > 0 else (1 if error > 0 else -1)
+            if abs(streak) < settings.change_after:
+                error = min(max(error, -bound), bound)
+            elif abs(streak) == settings.change_after:
+                p = settings.first_fit().covariance  # the worker changed: as unsure as at the start
     px = [p[3 * i] * x[0] + p[3 * i + 1] * x[1] + p[3 * i + 2] * x[2] for i in range(3)]
     denominator = settings.forgetting + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
     gain = [v / denominator for v in px]
@@ -96,7 +116,8 @@ def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings:
         covariance = [c * settings.max_uncertainty / trace for c in covariance]
     memory = settings.error_memory if fit.samples else 1.0
     return RateFit(multipliers=(multipliers[0], multipliers[1], multipliers[2]), covariance=tuple(covariance),
-                   error_s=(1 - memory) * fit.error_s + memory * abs(error), samples=fit.samples + 1)
+                   relative_error=(1 - memory) * fit.relative_error + memory * abs(error), samples=fit.samples + 1,
+                   streak=streak)
 
 
 @dataclass(frozen=True)

@@ -35,23 +35,26 @@ class RateFit(msgspec.Struct, frozen=True, kw_only=True):
     multipliers: tuple[float, float, float] = (1.0, 1.0, 1.0)
     #: The fit's covariance, row by row (3 x 3): how unsure each multiplier still is.
     covariance: tuple[float, ...] = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
-    #: Running mean absolute error of the fit's predictions, in seconds (cuts outliers).
-    error_s: float = 0.0
+    #: Running mean of the fit's absolute errors relative to its predictions (cuts outliers).
+    relative_error: float = 0.0
     samples: int = 0
+    #: Errors in a row beyond the outlier bound, signed by their direction (0: the last was within).
+    streak: int = 0
 
 
 def encode_fit(fit: RateFit) -> str:
-    """The fit as Redis holds it: 14 numbers, space-separated (multipliers, covariance, mean
-    error, samples), each float with 17 significant digits so it reads back exactly (the
-    encoding learn_rates.lua writes)."""
-    floats = (*fit.multipliers, *fit.covariance, fit.error_s)
-    return " ".join([*(format(v, ".17g") for v in floats), str(fit.samples)])
+    """The fit as Redis holds it: 15 numbers, space-separated (multipliers, covariance, mean
+    error, samples, streak), each float with 17 significant digits so it reads back exactly
+    (the encoding learn_rates.lua writes)."""
+    floats = (*fit.multipliers, *fit.covariance, fit.relative_error)
+    return " ".join([*(format(v, ".17g") for v in floats), str(fit.samples), str(fit.streak)])
 
 
 def decode_fit(text: str | bytes) -> RateFit:
     """ValueError when `text` is not a fit's encoding."""
     parts = (text.decode() if isinstance(text, bytes) else text).split()
-    if len(parts) != 14:
-        raise ValueError(f"a worker's rates are 14 numbers, got {len(parts)}")
+    if len(parts) != 15:
+        raise ValueError(f"a worker's rates are 15 numbers, got {len(parts)}")
     v = [float(part) for part in parts[:13]]
-    return RateFit(multipliers=(v[0], v[1], v[2]), covariance=tuple(v[3:12]), error_s=v[12], samples=int(parts[13]))
+    return RateFit(multipliers=(v[0], v[1], v[2]), covariance=tuple(v[3:12]), relative_error=v[12],
+                   samples=int(parts[13]), streak=int(parts[14]))

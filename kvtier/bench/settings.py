@@ -1,7 +1,8 @@
-"""What each `kvtier bench ...` is told (FooBench: `kvtier bench foo`, kvtier/bench/foo.py), each
+"""What each `kvtier bench ...` is told (RouteBench: `kvtier bench route`, kvtier/bench/route.py; and so on), each
 setting declared once with its flag (kvtier/plumbing/settings.py): kvtier/commands/bench.py puts
 these flags on the bench's parser and hands the bench the typed object. Light to import: the
-command's parser is built from it. (`replay` and `synth-trace` are kvtier/eval/'s.)"""
+command's parser is built from it. (`replay` and `synth-trace` are the evaluation's:
+kvtier/eval/settings.py.)"""
 
 from __future__ import annotations
 

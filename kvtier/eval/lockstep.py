@@ -57,6 +57,8 @@ class RequestOutcome:
     #: Seconds per output token after the first (None: no output tokens). Cache affinity can
     #: pack decode batches, which this shows.
     tpot_s: float | None = None
+    #: Trace seconds after the first request.
+    since_start_s: float = 0.0
 
 
 @dataclass
@@ -68,6 +70,8 @@ class RunResult:
     span_s: float = 0.0
     utilisation: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)  # each rank's prefill seconds, as its engine counted them
+    #: What the policy learned, where it learns (Policy.learned), beside the truth at the end.
+    learned: dict | None = None
 
     def cost_check(self) -> dict:
         """The replay's own accounting against the cost model (docs/COST_MODEL.md)."""
@@ -112,7 +116,27 @@ class RunResult:
             "degraded_decisions": sum(o.degraded for o in self.outcomes),
             "oracle_agreement_pct": round(100 * reasons["same"] / len(self.outcomes), 1) if self.outcomes else 0.0,
             "breakdown": reasons,
+            **({"slowdown": self.slowdown_shares()} if self.shape.slowdowns else {}),
+            **({"learned": self.learned} if self.learned is not None else {}),
         }
+
+    #: Requests per window of the slowdown view.
+    SLOWDOWN_WINDOW = 100
+
+    def slowdown_shares(self) -> dict:
+        """The first slowdown's worker: its share of the requests in the window before the
+        slowdown and in each window after it, so a reader sees how soon a policy noticed."""
+        slow = self.shape.slowdowns[0]
+        before = [o for o in self.outcomes if o.since_start_s < slow.at_s][-self.SLOWDOWN_WINDOW:]
+        after = [o for o in self.outcomes if o.since_start_s >= slow.at_s]
+        windows = [after[i:i + self.SLOWDOWN_WINDOW] for i in range(0, len(after), self.SLOWDOWN_WINDOW)][:5]
+
+        def share(group: list[RequestOutcome]) -> float | None:
+            return round(100 * sum(o.rank == slow.rank for o in group) / len(group), 1) if group else None
+
+        return {"rank": slow.rank, "at_s": slow.at_s, "window": self.SLOWDOWN_WINDOW, "share_before_pct": share(before),
+                "share_after_pct": {f"{i * self.SLOWDOWN_WINDOW}-{(i + 1) * self.SLOWDOWN_WINDOW}": share(w)
+                                    for i, w in enumerate(windows)}}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -198,12 +222,16 @@ async def _replay(policy: Policy, cluster: SimCluster, requests: list[PreparedRe
             ttft_s=served.ttft_s, queue_s=served.queue_s, service_s=served.service_s,
             recomputed_tokens=served.recomputed_tokens,
             hit_pages=(served.device_hit_pages, served.host_hit_pages, served.l3_hit_pages),
-            degraded=bool(decision.degraded), tpot_s=tpot_of(served, now, request.output_tokens)))
+            degraded=bool(decision.degraded), tpot_s=tpot_of(served, now, request.output_tokens),
+            since_start_s=now - requests[0].arrival_s))
         result.prompt_tokens += request.input_tokens
         if progress is not None:
             progress(policy.name, len(result.outcomes), len(requests))
     result.span_s = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
     result.utilisation = cluster.utilisation(result.span_s)
     result.busy_s = [sim.engine.busy_s for sim in cluster.ranks]
+    learned = getattr(policy, "learned", None)
+    if learned is not None and requests:
+        result.learned = learned(cluster, requests[-1].arrival_s)
     return result
 

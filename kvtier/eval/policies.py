@@ -70,6 +70,9 @@ class Decision:
 
 
 class Policy(Protocol):
+    """A policy that learns as it goes may also have `learned(cluster, now) -> dict`: what it
+    learned, beside the truth, for the replay's summary."""
+
     name: str
     #: The policy reads the simulator's KV events.
     needs_events: bool
@@ -318,6 +321,14 @@ class PredictedTtftModel(RouterModel):
 
     def _decided(self, request, rank, seen) -> None:
         self._work[request.index] = predicted_work(request, seen, self.page_size)
+
+    def learned(self, cluster: SimCluster, now: float) -> dict:
+        """Per rank: samples, the learned compute multiplier and the true one at `now` (the
+        inverse of its speed), and the learned load multipliers."""
+        return {str(rank): {"samples": fit.samples, "compute": round(fit.multipliers[0], 3),
+                            "true_compute": round(1 / cluster.speed(rank, now), 3),
+                            "host_load": round(fit.multipliers[1], 3), "l3_load": round(fit.multipliers[2], 3)}
+                for rank, fit in enumerate(self.fits)}
 
     def served(self, request, decision, result, now) -> None:
         work = self._work.pop(request.index)

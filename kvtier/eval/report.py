@@ -101,6 +101,16 @@ def format_shares(report: dict) -> str:
                      + (f"  (slowdowns: {slowed})" if slowed else ""))
     for name, r in report["policies"].items():
         lines.append(f"  {name:<18} " + " ".join(f"{share:>5.1f}" for share in r["load_share_pct"].values()))
+    for name, r in report["policies"].items():
+        if "slowdown" in r:
+            slow = r["slowdown"]
+            after = ", ".join(f"{share}% in requests {span}" for span, share in slow["share_after_pct"].items())
+            lines.append(f"  {name}: worker {slow['rank']} drew {slow['share_before_pct']}% of the "
+                         f"{slow['window']} requests before its slowdown at {slow['at_s']:g}s, then {after}")
+        if "learned" in r:
+            lines.append(f"  {name} learned compute multipliers (true, samples): " + ", ".join(
+                f"{rank} {v['compute']:.2f} ({v['true_compute']:.2f}, {v['samples']:.0f})"
+                for rank, v in r["learned"].items()))
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Replays on clusters whose workers differ in speed: the TTFT oracle (least true TTFT at each
-arrival) sends less to slow workers, every summary carries TPOT and per-worker shares, and the
-command refuses a speed list that does not fit the cluster."""
+arrival) sends less to slow workers, every summary carries TPOT and per-worker shares, the
+command refuses a speed list that does not fit the cluster, and predicted_ttft learns each
+worker's speed (and a slowdown) while deciding as the formula does on equal workers."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import subprocess
 import sys
 
 from kvtier.eval.lockstep import run_lockstep
-from kvtier.eval.policies import RoundRobinPolicy, TtftOraclePolicy
+from kvtier.eval.policies import PredictedTtftModel, RoundRobinPolicy, RouterModel, TtftOraclePolicy
 from kvtier.eval.trace import SAMPLE_TRACE, load_trace, prepare
 from kvtier.schemas.routing import ScoringWeights
-from kvtier.sim.sim_cluster import ClusterShape
+from kvtier.sim.sim_cluster import ClusterShape, Slowdown
 
 SPEEDS = (1.0, 1.0, 0.25, 0.25)
 SHAPE = ClusterShape(workers=4, page_size=64, device_pages=256, host_pages=1024, l3=True, worker_speeds=SPEEDS)
@@ -57,3 +58,33 @@ def test_the_replay_command_reports_speeds_and_refuses_ones_that_do_not_fit():
     assert "Traceback" not in wrong.stderr
     garbled = kvtier(*common, "--slowdown", "slow")
     assert garbled.returncode == 2 and "RANK:FACTOR@SECONDS" in garbled.stderr
+
+
+# --- predicted_ttft: the router model priced at the rates it learns ---------------------------------
+def small_shape(**kwargs) -> ClusterShape:
+    return ClusterShape(workers=4, page_size=64, device_pages=256, host_pages=1024, l3=True, **kwargs)
+
+
+def run_model(model_class, shape: ClusterShape, n: int):
+    requests = prepare(load_trace(SAMPLE_TRACE, n), shape.page_size)
+    model = model_class("m", 4, 64, ScoringWeights(), True, 0.005, 1)
+    return asyncio.run(run_lockstep(model, requests, shape, ScoringWeights(), True, 1))
+
+
+def test_on_equal_workers_predicted_ttft_decides_as_the_formula():
+    shape = small_shape()
+    priced, plain = run_model(PredictedTtftModel, shape, 150), run_model(RouterModel, shape, 150)
+    assert [o.rank for o in priced.outcomes] == [o.rank for o in plain.outcomes]
+    assert all(abs(v["compute"] - 1) < 0.05 for v in priced.learned.values())
+
+
+def test_predicted_ttft_learns_each_workers_speed_and_a_slowdown():
+    mixed = run_model(PredictedTtftModel, small_shape(worker_speeds=(1.0, 1.0, 0.5, 0.5)), 400).summary()
+    for rank, learned in mixed["learned"].items():
+        assert learned["samples"] >= 50, rank
+        assert abs(learned["compute"] - learned["true_compute"]) <= 0.10 * learned["true_compute"], (rank, learned)
+    slowed = run_model(PredictedTtftModel, small_shape(slowdowns=(Slowdown(1, 0.5, 60.0),)), 400).summary()
+    assert slowed["learned"]["1"]["true_compute"] == 2.0
+    assert abs(slowed["learned"]["1"]["compute"] - 2.0) <= 0.2
+    assert set(slowed["slowdown"]) == {"rank", "at_s", "window", "share_before_pct", "share_after_pct"}
+    assert "learned" not in run_model(RouterModel, small_shape(), 40).summary()

@@ -52,7 +52,7 @@ def test_the_fit_finds_a_workers_true_multipliers():
     # compute, which most of a first token's time is, exactly; the loads, a tenth of it, closely
     assert abs(fit.multipliers[0] - 2.0) < 0.03 * 2.0, fit.multipliers
     assert close(fit.multipliers[1:], (1.5, 3.0), 0.10), fit.multipliers
-    assert fit.samples == 200 and fit.error_s > 0
+    assert fit.samples == 200 and fit.relative_error > 0
     work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
     assert abs(predict_s(fit, PRIOR, work) - 2.0 * 4000 / PRIOR.compute_tokens_per_s) < 0.02
 
@@ -141,7 +141,7 @@ def lua_arguments(worker: str, work: Work, ttft_s: float) -> list:
     return [worker, repr(work.compute_tokens), repr(work.host_tokens), repr(work.l3_tokens), repr(ttft_s),
             repr(PRIOR.compute_tokens_per_s), repr(PRIOR.host_load_tokens_per_s), repr(PRIOR.l3_load_tokens_per_s),
             repr(s.forgetting), repr(s.outlier_errors), repr(s.error_memory), s.warmup, repr(s.bounds[0]),
-            repr(s.bounds[1]), repr(s.max_uncertainty), repr(s.kinds_correlated)]
+            repr(s.bounds[1]), repr(s.max_uncertainty), repr(s.kinds_correlated), s.change_after]
 
 
 def test_the_fit_in_redis_is_the_pure_fit(redis_server):
@@ -172,3 +172,19 @@ def test_the_fit_in_redis_is_the_pure_fit(redis_server):
         assert answer.decode() == encode_fit(fits[worker])
     assert {k.decode(): decode_fit(v) for k, v in client.hgetall(key).items()} == fits
     assert all(f.samples > 100 for f in fits.values())
+
+
+def test_errors_beyond_the_bound_in_a_row_are_a_change_not_outliers():
+    rng = random.Random(5)
+    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0), 200, rng, noise=0.01)  # a tight fit: a small bound
+    work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
+    slow = truth_s((3.0, 3.0, 3.0), work)
+    after = [fit]
+    for _ in range(SETTINGS.change_after):
+        after.append(observe(after[-1], PRIOR, work, slow, SETTINGS))
+    assert [f.streak for f in after[1:]] == list(range(1, SETTINGS.change_after + 1))
+    cut = after[-2].multipliers[0] - fit.multipliers[0]
+    taken = after[-1].multipliers[0] - after[-2].multipliers[0]
+    assert taken > 5 * cut  # the run's last error counts in full
+    within = observe(after[-1], PRIOR, work, truth_s(after[-1].multipliers, work), SETTINGS)
+    assert within.streak == 0
