@@ -33,11 +33,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvtier.consumers.analytics_config import AnalyticsConfig
 from kvtier.consumers.analytics_metrics import AnalyticsCollector, ConsumerStats
 from kvtier.consumers.analytics_model import TierAnalytics
 from kvtier.consumers.pull import PullStream, consume, filter_config, read_stream
@@ -119,20 +119,6 @@ class MessageFeeder:
 
 
 # --- the service -------------------------------------------------------------------------
-@dataclass
-class AnalyticsConfig:
-    nats_url: str
-    durable: str = "kvtier-analytics"
-    host: str = "127.0.0.1"
-    http_port: int = 9464
-    models: list[str] | None = None
-    writeback_window_s: float = 2.0
-    fetch_batch: int = 256
-    ack_wait_s: float = 30.0
-    rebuild: bool = True
-    tick_s: float = 1.0
-
-
 class AnalyticsService:
     def __init__(self, config: AnalyticsConfig):
         from prometheus_client import CollectorRegistry, ProcessCollector

@@ -140,14 +140,15 @@ def _field(default: Any, flag: Flag | FlagGroup, *, secret: bool = False) -> Any
 def setting(default: Any, *, flag: str, help: str, parse: Callable[[str], Any] | None = None,
             metavar: str | None = None, dest: str | None = None, repeat: bool = False,
             action: type[argparse.Action] | None = None, nargs: str | None = None, const: Any = None,
-            exclusive: str | None = None, inherit: bool = False) -> Any:
+            exclusive: str | None = None, inherit: bool = False,
+            to_field: Callable[[Any], Any] | None = None) -> Any:
     """A setting with a value: `default` unless the flag (or KVTIER_<FLAG>) says otherwise.
     `repeat`: the flag may be given more than once, each value added to a list; `action`: an
-    argparse.Action class that stores the value instead; `nargs`/`const`, `exclusive` and
-    `inherit`: as `Flag` says."""
+    argparse.Action class that stores the value instead; `nargs`/`const`, `exclusive`,
+    `inherit` and `to_field`: as `Flag` says."""
     spec = Flag(name=flag, help=help, parse=parse, metavar=metavar, dest=dest, text_default=default,
                 action=action or ("append" if repeat else None), nargs=nargs, const=const, exclusive=exclusive,
-                inherit=inherit)
+                inherit=inherit, to_field=to_field)
     return _field(default, spec, secret=bool(SECRET_FLAG.search(flag)))
 
 

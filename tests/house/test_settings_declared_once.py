@@ -20,6 +20,7 @@ import pytest
 from kvtier.cli import build_parser
 from kvtier.commands.flags import EnvDefaults, add_common, env_name
 from kvtier.commands.sim_worker import SimWorkerSettings
+from kvtier.consumers.analytics_config import AnalyticsConfig
 from kvtier.consumers.hash_check import HashValidator
 from kvtier.consumers.processor_config import ProcessorConfig
 from kvtier.plumbing.settings import Flag, FlagGroup, SettingsError, declared, flags_of, read_settings
@@ -41,6 +42,7 @@ SERVICES = {
     "bridge": (BridgeSettings, "bridge", ["--worker-id", "w0", "--nats", "nats://n:4222"]),
     "processor": (ProcessorConfig, "processor", ["--nats", "nats://n:4222", "--redis", "redis://r:6379/0"]),
     "router": (RouterConfig, "router", ["--redis", "redis://r:6379/0"]),
+    "analytics": (AnalyticsConfig, "analytics", ["--nats", "nats://n:4222"]),
     "sim-worker": (SimWorkerSettings, "sim_worker", ["--port", "5557", "--replay-port", "5558"]),
 }
 
