@@ -11,7 +11,8 @@ two cores.
 2. A sweep of where tier awareness pays and where it does not: host:device pool ratio
    0/2/4/8, with and without a shared L3 pool, round robin against kvtier and the oracle,
    with one sentence of verdict per point; then one heterogeneous point (half the workers at
-   half speed, the routers not told) with the TTFT oracle beside them.
+   half speed, the routers not told) with predicted_ttft (the router model pricing the formula
+   at the speeds it learns) and the TTFT oracle beside them.
 
 The sample: the first 600 requests of kvtier's synthetic high-reuse trace
 (kvtier/eval/synth_trace.py, seed 1), chosen because its reuse fits the demo cluster's
@@ -100,6 +101,10 @@ def _sweep_point(requests, shape: ClusterShape, seed: int, extra: tuple[str, ...
         point["verdict"] += (f"; the least true TTFT, which knows each worker's speed, would reach p50 "
                              f"{greedy['ttft_p50_ms']:.0f} ms / p99 {greedy['ttft_p99_ms']:.0f} ms against kvtier's "
                              f"{ours['ttft_p50_ms']:.0f} / {ours['ttft_p99_ms']:.0f} ms")
+    if "predicted_ttft" in report["policies"]:
+        learned = report["policies"]["predicted_ttft"]
+        point["verdict"] += (f"; predicted_ttft, learning the speeds from first tokens, {learned['ttft_p50_ms']:.0f} / "
+                             f"{learned['ttft_p99_ms']:.0f} ms")
     return point
 
 
@@ -114,7 +119,7 @@ def run_sweep(requests, base: ClusterShape, seed: int, progress=None) -> list[di
             progress(points[-1])
     if base.workers > 1 and not base.heterogeneous:
         points.append(_sweep_point(requests, replace(base, l3=True, worker_speeds=half_slow(base.workers)), seed,
-                                   ("ttft_oracle",)))
+                                   ("predicted_ttft", "ttft_oracle")))
         if progress:
             progress(points[-1])
     return points

@@ -121,6 +121,10 @@ class TuneSettings:
     """`kvtier tune` (kvtier/eval/tune.py); its --requests default is 2000 (the command sets it)."""
 
     cluster: ClusterFlags = group(ClusterFlags)
+    policy: str = text_choice(
+        "tier_aware", choices=("tier_aware", "predicted_ttft"), flag="--policy",
+        help="The router model whose weights are searched: tier_aware (the formula; tier_aware_shared with L3) or "
+             "predicted_ttft (the formula priced at the worker rates it learns from first tokens).")
     budget: int = setting(24, flag="--budget", parse=positive_int, help="Settings to try (the defaults included).")
     holdout: float = setting(0.3, flag="--holdout", parse=float,
                              help="Share of the trace (its end) kept out of the search, to check the best settings "

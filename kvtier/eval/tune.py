@@ -2,7 +2,8 @@
 TTFT p50, TTFT p99 and recomputed tokens, beside the defaults' figures and the oracle's.
 
 Every trial is a lockstep replay of kvtier's own router (`RouterModel`, the decision the
-pipeline makes, computed in process; tests/eval/test_lockstep.py holds the two equal), so trials
+pipeline makes, computed in process; tests/eval/test_lockstep.py holds the two equal; with
+`--policy predicted_ttft`, that model priced at the worker rates it learns), so trials
 are comparable and the same command prints the same answer. The search: the defaults, then
 seeded random points over the space, then a coordinate refinement around each objective's
 best. With `--holdout F` the search sees only the first (1 - F) of the trace and every
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from kvtier.eval.lockstep import run_lockstep
-from kvtier.eval.policies import OraclePolicy, RoundRobinPolicy, RouterModel
+from kvtier.eval.policies import OraclePolicy, PredictedTtftModel, RoundRobinPolicy, RouterModel
 from kvtier.eval.settings import TuneSettings
 from kvtier.eval.trace import CONVERSATION_TRACE, PreparedRequest, load_trace, prepare
 from kvtier.schemas.routing import ScoringWeights
@@ -78,22 +79,34 @@ def _neighbours(weights: ScoringWeights, shared: bool) -> list[dict]:
     return out
 
 
+#: The router models `kvtier tune --policy` tunes: the formula, or the formula priced at the
+#: worker rates it learns (PredictedTtftModel), whose weights are the formula's.
+TUNED = ("tier_aware", "predicted_ttft")
+
+
 class Tuner:
-    def __init__(self, requests: list[PreparedRequest], shape: ClusterShape, lag_s: float, seed: int):
+    def __init__(self, requests: list[PreparedRequest], shape: ClusterShape, lag_s: float, seed: int,
+                 policy: str = "tier_aware"):
+        if policy not in TUNED:
+            raise ValueError(f"kvtier tune tunes {' or '.join(TUNED)}, not {policy!r}")
         self.requests = requests
         self.shape = shape
         self.lag_s = lag_s
         self.seed = seed
         self.shared = shape.l3
+        self.priced = policy == "predicted_ttft"
         self.trials: list[Trial] = []
         self._seen: dict[bytes, Trial] = {}
 
     def policy_name(self) -> str:
+        if self.priced:
+            return "predicted_ttft"
         return "tier_aware_shared" if self.shared else "tier_aware"
 
     def replay(self, weights: ScoringWeights, requests: list[PreparedRequest] | None = None) -> dict:
-        policy = RouterModel(self.policy_name(), self.shape.workers, self.shape.page_size, weights, self.shared,
-                             self.lag_s, self.seed)
+        model = PredictedTtftModel if self.priced else RouterModel
+        policy = model(self.policy_name(), self.shape.workers, self.shape.page_size, weights, self.shared,
+                       self.lag_s, self.seed)
         result = asyncio.run(run_lockstep(policy, requests or self.requests, self.shape, weights, self.shared,
                                           self.seed))
         return result.summary()
@@ -142,10 +155,10 @@ def _reference(policy, requests, shape, shared, seed) -> dict:
 
 
 def tune(requests: list[PreparedRequest], shape: ClusterShape, budget: int, lag_s: float, seed: int,
-         holdout: float = 0.0, progress=None) -> dict:
+         holdout: float = 0.0, progress=None, policy: str = "tier_aware") -> dict:
     split = len(requests) - int(len(requests) * holdout) if holdout > 0 else len(requests)
     train, test = requests[:split], requests[split:]
-    tuner = Tuner(train, shape, lag_s, seed)
+    tuner = Tuner(train, shape, lag_s, seed, policy)
     tuner.search(budget, progress)
     defaults = tuner.trial(ScoringWeights())
     oracle = _reference(OraclePolicy(ScoringWeights(), shape.l3, seed), train, shape, shape.l3, seed)
@@ -250,7 +263,7 @@ def run_tune(settings: TuneSettings) -> int:
         print(f"\r  tried {done}/{total}", end="", file=sys.stderr, flush=True)
 
     report = tune(requests, shape, settings.budget, settings.visibility_lag_ms / 1000, settings.seed, settings.holdout,
-                  progress)
+                  progress, settings.policy)
     print("", file=sys.stderr)
     report["trace"] = trace
     print(format_tune(report))

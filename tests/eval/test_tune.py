@@ -88,3 +88,15 @@ def test_a_tuned_setting_replays_with_the_routers_flags():
     assert tuned["policies"]["tier_aware"] != defaults["policies"]["tier_aware"]
     bad = subprocess.run(base + ["--prefill-load-scale", "-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--prefill-load-scale" in bad.stderr
+
+
+def test_tune_searches_predicted_ttfts_weights_on_a_mixed_cluster():
+    shape = ClusterShape(workers=3, page_size=64, device_pages=512, host_pages=512, l3=False,
+                         worker_speeds=(1.0, 1.0, 0.5))
+    requests = prepare(load_trace("synthetic:3", 90), shape.page_size)
+    report = tune(requests, shape, budget=3, lag_s=0.005, seed=2, policy="predicted_ttft")
+    assert report["policy"] == "predicted_ttft" and report["trials"] == 3
+    for objective, key in OBJECTIVES.items():
+        assert report["best"][objective]["figures"][key] <= report["defaults"][key]
+    with pytest.raises(ValueError, match="tunes tier_aware or predicted_ttft"):
+        tune(requests, shape, budget=1, lag_s=0.005, seed=2, policy="oracle")

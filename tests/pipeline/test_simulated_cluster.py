@@ -173,6 +173,7 @@ def test_demo_completes_and_writes_its_report(tmp_path):
         (2, True, None), (4, True, None), (8, True, None), (0, False, None), (2, False, None), (4, False, None),
         (8, False, None), (2, True, [1.0, 0.5])]
     assert all(p["verdict"] for p in report["sweep"])
-    assert "ttft_oracle" in report["sweep"][-1]["policies"] and "least true TTFT" in report["sweep"][-1]["verdict"]
+    assert {"ttft_oracle", "predicted_ttft"} <= set(report["sweep"][-1]["policies"])
+    assert "least true TTFT" in report["sweep"][-1]["verdict"] and "predicted_ttft" in report["sweep"][-1]["verdict"]
     assert (tmp_path / "policies.png").stat().st_size > 10_000
     assert "verdict:" in out.stdout and "infinite cache" in out.stdout and "host:device" in out.stdout
