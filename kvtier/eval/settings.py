@@ -6,7 +6,10 @@ that each command holds. Light to import: the command line's parser is built fro
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvtier.eval.synth_trace import SynthParams
 from kvtier.plumbing.settings import (
@@ -27,23 +30,19 @@ from kvtier.sim.cost_model import CostModel, add_cost_model_arguments, cost_mode
 from kvtier.sim.hicache_sim import WRITE_POLICIES
 from kvtier.sim.sim_cluster import ClusterShape, Slowdown, parse_speeds
 
-
-def _worker_speeds(text: str) -> tuple[float, ...]:
-    import argparse
-
-    try:
-        return parse_speeds(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+T = TypeVar("T")
 
 
-def _slowdown(text: str) -> Slowdown:
-    import argparse
+def _flag_text(read: Callable[[str], T]) -> Callable[[str], T]:
+    """`read` as a flag's type: its ValueError becomes argparse's usage error, message and all."""
 
-    try:
-        return Slowdown.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def parse(text: str) -> T:
+        try:
+            return read(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 @dataclass(kw_only=True)
@@ -67,11 +66,11 @@ class ClusterFlags:
     dma_delay_ms: float = setting(2.0, flag="--dma-delay-ms", parse=non_negative_float,
                                   help="Simulated device->host copy time before the host store event.")
     worker_speeds: tuple[float, ...] = setting(
-        (), flag="--worker-speeds", parse=_worker_speeds, metavar="F,F,...",
+        (), flag="--worker-speeds", parse=_flag_text(parse_speeds), metavar="F,F,...",
         help="One speed factor per worker on its prefill throughput and load-back bandwidths (0.5: a worker at half "
              "speed; default: all 1). The routers are not told.")
     slowdown: list[Slowdown] = setting(
-        [], flag="--slowdown", parse=_slowdown, metavar="RANK:FACTOR@SECONDS", repeat=True,
+        [], flag="--slowdown", parse=_flag_text(Slowdown.parse), metavar="RANK:FACTOR@SECONDS", repeat=True,
         help="Worker RANK runs at FACTOR times its speed from SECONDS of trace time after the first request on "
              "(repeatable).")
     cost: CostModel = flag_group(add_cost_model_arguments, cost_model_from_args, CostModel)
