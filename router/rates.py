@@ -31,6 +31,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from kvtier.router import scoring
 from kvtier.schemas.rates import RateFit, RatePrior
 from kvtier.schemas.routing import ScoringWeights
@@ -155,24 +157,23 @@ def relative_pricing(fits: Sequence[RateFit | None]) -> list[Pricing]:
             for f in fits]
 
 
-def _clip01(value: float) -> float:
-    return min(max(value, 0.0), 1.0)
-
-
-def priced_logit(request_pages: int, candidate: scoring.CandidateInputs, weights: ScoringWeights,
-                 pricing: Pricing) -> float:
-    """The formula's logit for one worker at its pricing: a host page saves what it saves on
-    the typical worker scaled by how much slower this worker's loads are than its compute."""
-    host_weight = _clip01(1 - (1 - weights.host_cache_hit_weight) * pricing.host_load)
-    shared_weight = _clip01(1 - (1 - weights.shared_cache_multiplier) * pricing.l3_load)
-    overlap = candidate.overlap
-    credit = (weights.overlap_score_credit * overlap.device + host_weight * overlap.host
-              + weights.disk_cache_hit_weight * overlap.disk + shared_weight * overlap.shared_beyond
-              + weights.predicted_page_weight * overlap.predicted)
-    adjusted = max(request_pages + candidate.prefill_load - credit, 0.0)
-    return weights.prefill_load_scale * pricing.compute * adjusted + candidate.decode_load
+def priced_weights(weights: ScoringWeights, pricing: Pricing) -> ScoringWeights:
+    """The formula's weights for one worker at its pricing: its prefill work weighs its compute
+    factor more, and a host or pool page saves what it saves on the typical worker scaled by how
+    much slower this worker's loads are than its compute (never below nothing). A factor of 1
+    leaves its weight as it is, so equal workers are scored exactly as the formula scores them."""
+    changes = {}
+    if pricing.compute != 1.0:
+        changes["prefill_load_scale"] = weights.prefill_load_scale * pricing.compute
+    if pricing.host_load != 1.0:
+        changes["host_cache_hit_weight"] = max(1 - (1 - weights.host_cache_hit_weight) * pricing.host_load, 0.0)
+    if pricing.l3_load != 1.0:
+        changes["shared_cache_multiplier"] = max(1 - (1 - weights.shared_cache_multiplier) * pricing.l3_load, 0.0)
+    return msgspec.structs.replace(weights, **changes) if changes else weights
 
 
 def priced_logits(request_pages: int, candidates: Sequence[scoring.CandidateInputs], weights: ScoringWeights,
                   pricing: Sequence[Pricing]) -> list[float]:
-    return [priced_logit(request_pages, c, weights, p) for c, p in zip(candidates, pricing)]
+    """The formula (router/scoring.py) for each candidate at its own priced weights."""
+    return [scoring.score_terms(request_pages, c, priced_weights(weights, p)).logit
+            for c, p in zip(candidates, pricing)]

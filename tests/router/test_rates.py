@@ -110,14 +110,17 @@ candidate_lists = st.lists(st.tuples(overlaps, st.integers(0, 500), st.integers(
 multipliers = st.tuples(st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0.05, 50))
 
 
-@given(candidates=candidate_lists, pages=st.integers(1, 128), shared=multipliers)
-def test_on_equal_workers_the_priced_formula_is_the_formula(candidates, pages, shared):
+#: Weights as `kvtier tune` searches them: host and pool credit may exceed one page.
+tuned_weights = st.builds(ScoringWeights, host_cache_hit_weight=st.floats(0, 1.5),
+                          shared_cache_multiplier=st.floats(0, 1.5), prefill_load_scale=st.floats(0.25, 64))
+
+
+@given(candidates=candidate_lists, pages=st.integers(1, 128), shared=multipliers, weights=tuned_weights)
+def test_on_equal_workers_the_priced_formula_is_the_formula(candidates, pages, shared, weights):
     inputs = [scoring.CandidateInputs(f"w{i}", o, p, d) for i, (o, p, d) in enumerate(candidates)]
     fits = [RateFit(multipliers=shared) for _ in inputs]  # all alike, whatever the prior got wrong
     pricing = relative_pricing(fits)
-    priced = priced_logits(pages, inputs, ScoringWeights(), pricing)
-    plain = scoring.logits(pages, inputs, ScoringWeights())
-    assert all(abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(priced, plain))
+    assert priced_logits(pages, inputs, weights, pricing) == scoring.logits(pages, inputs, weights)
     assert relative_pricing([None] * len(inputs)) == [Pricing()] * len(inputs)
 
 
