@@ -27,9 +27,9 @@ import nats
 import nats.errors
 import nats.js.errors
 import zmq.asyncio
-from prometheus_client import Counter, Gauge
 
 from kvtier.plumbing.streams import connect_nats, dead_letter_headers, ensure_streams_when_ready
+from kvtier.producers import bridge_metrics as metrics
 from kvtier.producers.bridge_config import BridgeConfig, rank_configs
 from kvtier.producers.convert import convert_batch, source_timestamp
 
@@ -52,8 +52,9 @@ from kvtier.producers.sglang_source import (
     ReplaySocketError,
     SglangSubscriber,
     SourceSequencer,
+    batches_after,
+    decode_raw,
     parse_pub_frames,
-    same_ts,
 )
 from kvtier.schemas.events import (
     BridgeCursor,
@@ -66,7 +67,7 @@ from kvtier.schemas.events import (
     decode_message,
     encode_message,
 )
-from kvtier.schemas.sglang import DecodedBatch, MalformedBatch, decode_payload
+from kvtier.schemas.sglang import DecodedBatch, MalformedBatch
 from kvtier.schemas.subjects import (
     EVENTS_STREAM,
     control_subject,
@@ -77,20 +78,10 @@ from kvtier.schemas.subjects import (
 
 log = logging.getLogger("kvtier.bridge")
 
-BATCHES = Counter("kvtier_bridge_engine_batches_total", "Engine batches received", ["worker", "outcome"])
-PUBLISHED = Counter("kvtier_bridge_published_messages_total", "kvtier batches published to JetStream", ["worker"])
-EVENTS = Counter("kvtier_bridge_events_total", "Tier events forwarded", ["worker"])
-GAPS = Counter("kvtier_bridge_gaps_total", "Engine seq gaps", ["worker", "recovered"])
-EPOCHS = Counter("kvtier_bridge_epochs_total", "New epochs begun", ["worker", "reason"])
-DEAD_LETTERS = Counter("kvtier_bridge_dead_letters_total", "Engine input dead-lettered", ["worker"])
-PUBLISH_RETRIES = Counter("kvtier_bridge_publish_retries_total", "JetStream publish retries", ["worker"])
 #: Dead letters of one engine batch published concurrently (each acked by the stream).
 DEAD_LETTERS_IN_FLIGHT = 256
 #: Replay requests a starting bridge makes before it gives up and begins a partial epoch.
 START_REPLAY_ATTEMPTS = 3
-DUPLICATES = Counter("kvtier_bridge_duplicate_publishes_total",
-                     "Batches the stream dropped as duplicates of a message this bridge did not send", ["worker"])
-LAST_SEQ = Gauge("kvtier_bridge_last_engine_seq", "Last engine seq forwarded", ["worker"])
 
 
 class RankBridge:
@@ -175,7 +166,7 @@ class RankBridge:
         # next (partial): a busy engine gets three tries, the timeout doubling each time.
         buffered = await self._replay_from(0, attempts=START_REPLAY_ATTEMPTS) if self.replay else None
         if cursor is not None and buffered and cursor.source_seq_last >= 0:
-            tail = _after_matching(buffered, cursor.source_seq_last, cursor.source_ts_last)
+            tail = batches_after(buffered, cursor.source_seq_last, cursor.source_ts_last)
             if tail is not None:
                 self.epoch, self.seq = cursor.epoch, cursor.seq
                 self.source_seq_last, self.source_ts_last = cursor.source_seq_last, cursor.source_ts_last
@@ -210,7 +201,7 @@ class RankBridge:
         self.pending_from_start = False
         self.sequencer.reset()
         self.source_seq_last, self.source_ts_last = -1, 0.0
-        EPOCHS.labels(self._label, reason.value).inc()
+        metrics.EPOCHS.labels(self._label, reason.value).inc()
         log.warning("%s: new epoch %d (%s)", self._label, self.epoch, reason.value)
 
     async def _replay_from(self, start: int, attempts: int = 1) -> list[RawBatch] | None:
@@ -231,6 +222,9 @@ class RankBridge:
     # --- live path ------------------------------------------------------------------------
     async def _live(self, sub: SglangSubscriber) -> None:
         while not self.stopping.is_set():
+            if self.replay and not await sub.wait(self.cfg.catch_up_s):
+                await self._catch_up()
+                continue
             messages = await sub.receive(self.cfg.max_batches_per_message)
             raws: list[RawBatch] = []
             for frames in messages:
@@ -241,16 +235,35 @@ class RankBridge:
             async with self.lock:
                 await self._forward(raws)
 
+    async def _catch_up(self) -> None:
+        """A quiet live path: forward what the replay socket holds past our last batch (a lost
+        batch is otherwise noticed only when the next one comes). Fetched from our last batch
+        on, so `_forward` checks it is ours: a restarted engine is no continuation."""
+        expected = self.sequencer.expected
+        async with self.lock:
+            if expected is None or self.sequencer.expected != expected:
+                return  # nothing to anchor on, or the live path moved on meanwhile
+            assert self.replay is not None
+            try:
+                filled = await self.replay.fetch(max(0, expected - 1))
+            except ReplaySocketError:
+                return  # asked again after the next quiet spell
+            if filled and filled[-1].seq >= expected:
+                metrics.CATCH_UPS.labels(self._label).inc()
+                log.info("%s: engine batches %d..%d missed on the live path, fetched from replay", self._label,
+                         expected, filled[-1].seq)
+                await self._forward(filled)
+
     async def _forward(self, raws: list[RawBatch]) -> None:
         """Forward engine batches in order, handling duplicates, gaps and restarts."""
         ready: list[tuple[RawBatch, DecodedBatch | str]] = []
         index = 0
         while index < len(raws):
             raw = raws[index]
-            decoded, ts = _decode(raw)
+            decoded, ts = decode_raw(raw)
             verdict = self.sequencer.classify(raw.seq, ts)
             if verdict == SourceSequencer.DUPLICATE:
-                BATCHES.labels(self._label, "duplicate").inc()
+                metrics.BATCHES.labels(self._label, "duplicate").inc()
                 index += 1
                 continue
             if verdict == SourceSequencer.ACCEPT:
@@ -266,7 +279,7 @@ class RankBridge:
                 filled = await self._replay_from(max(0, missing_from - 1)) if self.replay else None
                 continuation = self._continuation(filled, missing_from)
                 if continuation is not None:
-                    GAPS.labels(self._label, "true").inc()
+                    metrics.GAPS.labels(self._label, "true").inc()
                     log.info("%s: gap at engine seq %d..%d recovered from replay", self._label, missing_from,
                              raw.seq - 1)
                     # replayed batches come first; the live ones follow and dedupe by (seq, ts)
@@ -280,7 +293,7 @@ class RankBridge:
                                 self._label, missing_from - 1)
                     self._begin_epoch(EpochReason.PUBLISHER_RESTART)
                 else:
-                    GAPS.labels(self._label, "false").inc()
+                    metrics.GAPS.labels(self._label, "false").inc()
                     self._begin_epoch(EpochReason.UNRECOVERED_GAP)
             else:
                 self._begin_epoch(EpochReason.PUBLISHER_RESTART)
@@ -299,7 +312,7 @@ class RankBridge:
             # Nothing forwarded yet (an empty buffer at start): there is no batch to anchor on.
             return filled if filled[0].seq == 0 else None
         anchor, rest = filled[0], filled[1:]
-        if anchor.seq == missing_from - 1 and self.sequencer.seen(anchor.seq, _decode(anchor)[1]) \
+        if anchor.seq == missing_from - 1 and self.sequencer.seen(anchor.seq, decode_raw(anchor)[1]) \
                 and rest and rest[0].seq == missing_from:
             return rest
         return None
@@ -311,10 +324,10 @@ class RankBridge:
         first_ts: float | None = None
         for raw, decoded in ready:
             if isinstance(decoded, str):
-                BATCHES.labels(self._label, "dead_letter").inc()
+                metrics.BATCHES.labels(self._label, "dead_letter").inc()
                 await self._dead_letter(raw.payload, decoded, raw.seq)
                 continue
-            BATCHES.labels(self._label, "forwarded").inc()
+            metrics.BATCHES.labels(self._label, "forwarded").inc()
             converted = convert_batch(decoded, self.cfg.keep_token_ids)
             # Many at once, so a batch of thousands of bad events costs round trips in parallel,
             # not one after another (each dead letter is still acked by the stream).
@@ -326,7 +339,7 @@ class RankBridge:
         last_raw, last_decoded = ready[-1]
         self.source_seq_last = last_raw.seq
         self.source_ts_last = last_decoded.ts if not isinstance(last_decoded, str) else 0.0
-        LAST_SEQ.labels(self._label).set(last_raw.seq)
+        metrics.LAST_SEQ.labels(self._label).set(last_raw.seq)
         first_seq = ready[0][0].seq
         await self._publish_events(events, first_ts, first_seq)
 
@@ -346,8 +359,8 @@ class RankBridge:
             )
             self.pending_reason = None
             await self._publish(self.subject, encode_message(batch), {"Nats-Msg-Id": batch.msg_id})
-            PUBLISHED.labels(self._label).inc()
-            EVENTS.labels(self._label).inc(len(chunk))
+            metrics.PUBLISHED.labels(self._label).inc()
+            metrics.EVENTS.labels(self._label).inc(len(chunk))
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
         """Publish and wait for the stream's ack, retrying forever (same Nats-Msg-Id, so a
@@ -361,7 +374,7 @@ class RankBridge:
                 if ack.duplicate and not retried:
                     # Not a retry of ours: another publisher used this id (a second bridge for
                     # the same worker, or a copied stream): this batch was NOT stored.
-                    DUPLICATES.labels(self._label).inc()
+                    metrics.DUPLICATES.labels(self._label).inc()
                     log.error("%s: the stream dropped %s as a duplicate of a message this bridge did not send "
                               "(is another bridge publishing for this worker?)", self._label,
                               (headers or {}).get("Nats-Msg-Id"))
@@ -371,7 +384,7 @@ class RankBridge:
                     nats.js.errors.NoStreamResponseError) as exc:  # 503: no stream leader (NATS cluster election)
                 if self.stopping.is_set() and isinstance(exc, nats.errors.ConnectionClosedError):
                     raise
-                PUBLISH_RETRIES.labels(self._label).inc()
+                metrics.PUBLISH_RETRIES.labels(self._label).inc()
                 retried = True
                 log.warning("%s: publish to %s failed (%s); retrying in %.2fs", self._label, subject, exc, delay)
                 await asyncio.sleep(delay)
@@ -385,7 +398,7 @@ class RankBridge:
         return max(64 << 10, max_payload(self.nc) - _ENVELOPE_BYTES)
 
     async def _dead_letter(self, data: bytes, reason: str, engine_seq: int | None = None) -> None:
-        DEAD_LETTERS.labels(self._label).inc()
+        metrics.DEAD_LETTERS.labels(self._label).inc()
         log.warning("%s: dead-lettered engine input (seq %s): %s", self._label, engine_seq, reason[:1024])
         headers = dead_letter_headers(Kvtier_Reason=reason[:1024], Kvtier_Stage="bridge",
                                       Kvtier_Worker=self.cfg.worker_id, Kvtier_Model=self.cfg.model)
@@ -447,24 +460,6 @@ class RankBridge:
             log.exception("%s: resync failed", self._label)
             self._failure = exc
             self.stop()
-
-
-def _decode(raw: RawBatch) -> tuple[DecodedBatch | str, float | None]:
-    """(decoded batch or the reason it is malformed, engine ts or None)."""
-    try:
-        decoded = decode_payload(raw.payload)
-        return decoded, decoded.ts
-    except MalformedBatch as exc:
-        return str(exc), None
-
-
-def _after_matching(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBatch] | None:
-    """Batches after (seq, ts) if the buffer holds exactly that batch, else None."""
-    for i, raw in enumerate(buffered):
-        if raw.seq == seq:
-            decoded, raw_ts = _decode(raw)
-            return buffered[i + 1:] if same_ts(raw_ts, ts) else None
-    return None
 
 
 async def run_bridge(config: BridgeConfig, stop: asyncio.Event) -> None:

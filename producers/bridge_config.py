@@ -71,6 +71,10 @@ class BridgeConfig:
         return self.settings.replay_timeout_s
 
     @property
+    def catch_up_s(self) -> float:
+        return self.settings.catch_up_s
+
+    @property
     def max_batches_per_message(self) -> int:
         return self.settings.max_batches_per_message
 

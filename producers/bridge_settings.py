@@ -130,6 +130,11 @@ class BridgeSettings:
         3.0, flag="--replay-timeout", parse=positive_float,
         help="Seconds to wait for the engine's replay socket to answer; a starting bridge asks up to 3 times, "
              "doubling it, before it begins an epoch without the replay (partial).")
+    catch_up_s: float = setting(
+        1.0, flag="--catch-up-interval", parse=positive_float,
+        help="Seconds without a live engine batch after which the bridge asks the replay socket for anything "
+             "newer than what it forwarded: batches the PUB path lost while nothing followed them (a SUB that "
+             "connected after the engine's last batch, a reconnect) would otherwise wait for the next batch.")
     drop_token_ids: bool = switch(
         flag="--drop-token-ids",
         help="Do not forward token ids of stored pages (smaller messages; disables hash validation).")

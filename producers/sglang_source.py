@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvtier.schemas.sglang import SEQ_BYTES, MalformedBatch, decode_seq, encode_seq
+from kvtier.schemas.sglang import SEQ_BYTES, DecodedBatch, MalformedBatch, decode_payload, decode_seq, encode_seq
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class SglangSubscriber:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.socket.connect(endpoint)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True once a message is queued; False if none came within `timeout_s`."""
+        return bool(await self.socket.poll(int(timeout_s * 1000)))  # POLLIN: the default
 
     async def receive(self, max_messages: int) -> list[list[bytes]]:
         """Wait for one message, then take whatever else is already queued (up to a bound),
@@ -145,5 +149,23 @@ class SourceSequencer:
         return seq in self._recent and same_ts(self._recent[seq], ts)
 
 
+def decode_raw(raw: RawBatch) -> tuple[DecodedBatch | str, float | None]:
+    """(decoded batch or the reason it is malformed, engine ts or None)."""
+    try:
+        decoded = decode_payload(raw.payload)
+        return decoded, decoded.ts
+    except MalformedBatch as exc:
+        return str(exc), None
+
+
+def batches_after(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBatch] | None:
+    """Batches after (seq, ts) if the buffer holds exactly that batch, else None."""
+    for i, raw in enumerate(buffered):
+        if raw.seq == seq:
+            return buffered[i + 1:] if same_ts(decode_raw(raw)[1], ts) else None
+    return None
+
+
 __all__ = ["RawBatch", "SglangSubscriber", "ReplaySocketClient", "ReplaySocketError", "SourceSequencer", "same_ts",
-           "parse_pub_frames", "SEQ_BYTES"]
+           "parse_pub_frames", "SEQ_BYTES",
+           "decode_raw", "batches_after"]

@@ -583,7 +583,8 @@ def test_two_models_with_one_worker_name_and_epoch_both_apply(nats_server, redis
 
 
 def test_a_duplicate_that_was_not_a_retry_is_an_error(nats_server):
-    from kvtier.producers.bridge import DUPLICATES, RankBridge
+    from kvtier.producers.bridge import RankBridge
+    from kvtier.producers.bridge_metrics import DUPLICATES
 
     async def main():
         nc = await nats.connect(nats_server.url)

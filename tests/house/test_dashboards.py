@@ -111,7 +111,7 @@ def exported_metrics() -> Exported:
 
     from kvtier.consumers import processor_metrics as processor
     from kvtier.consumers.analytics import AnalyticsConfig, AnalyticsService
-    from kvtier.producers import bridge
+    from kvtier.producers import bridge, bridge_metrics
     from kvtier.router.metrics import RouterMetrics
 
     found = Exported()
@@ -120,7 +120,7 @@ def exported_metrics() -> Exported:
                 if isinstance(m, MetricWrapperBase)}
     for family in router.registry.collect():
         found.add_family(family, declared.get(family.name, ()), "router (RouterMetrics)")
-    for module, source in ((processor, "processor"), (bridge, "bridge")):
+    for module, source in ((processor, "processor"), (bridge, "bridge"), (bridge_metrics, "bridge")):
         for metric in _module_metrics(module):
             for family in metric.collect():
                 found.add_family(family, _wrapper_labels(metric), f"{source} ({module.__name__})")

@@ -116,6 +116,23 @@ def test_a_batch_with_a_nan_timestamp_seen_again_in_a_replay_is_no_engine_restar
         assert "recovered from replay" in run.bridge.output()
 
 
+def test_a_lost_batch_with_nothing_after_it_is_fetched_once_the_engine_is_quiet(nats_server, redis_server):
+    """Before: a batch lost on the PUB path was noticed only as a gap when the next one came.
+    The engine's last batches before a quiet spell (sent before a bridge's SUB had connected, a
+    reconnect) stayed missing for as long as the engine stayed quiet: the seed-dependent
+    failure of the simulated cluster's end-to-end test. Now the bridge asks the replay socket
+    after --catch-up-interval of silence."""
+    with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
+        workload, reference = HiCacheWorkload(seed=14), ReferenceModel()
+        run.publish(workload, reference, 20)
+        run.converge(reference)
+        run.publish(workload, reference, 3, deliver=False)  # lost, and nothing follows
+        run.converge(reference, timeout=15)
+        state = run.state()
+        assert state["epochs"] == "1" and state["last_epoch_reason"] == "bridge_start"
+        assert "missed on the live path, fetched from replay" in run.bridge.output()
+
+
 def test_gap_beyond_the_replay_buffer_starts_a_new_epoch(nats_server, redis_server):
     with RunningPipeline(nats_server.url, redis_server.url, MODEL) as run:
         workload, reference = HiCacheWorkload(seed=8), ReferenceModel()
