@@ -212,6 +212,9 @@ class TierStateWriter:
         _recorded, stale = self._announce(
             keys=[keys.meta(meta.worker_id), keys.leases, keys.workers, keys.page_sizes, keys.state(meta.worker_id)],
             args=[meta.worker_id, expiry_ms, encode_worker_metadata(meta), meta.page_size])
+        if (queue := announce.engine_queue) is not None:  # in the state: forgotten with the worker
+            self.client.hset(keys.state(meta.worker_id), mapping={"engine_waiting": queue.waiting, "engine_running":
+                             queue.running, "engine_queue_ms": int(queue.read_ts * 1000)})
         return stale not in (b"0", "0", 0)
 
     def forget_dead_workers(self, retention_s: float, now: float | None = None) -> list[tuple[str, str]]:

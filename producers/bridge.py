@@ -41,6 +41,7 @@ from kvtier.producers.engine_health import (  # noqa: F401
     EngineHealthCheck,
     EngineProbe,
 )
+from kvtier.producers.engine_queue import engine_queue
 
 # Under their old private names, which the fuzz bench and tests import from here.
 from kvtier.producers.message_chunks import ENVELOPE_BYTES as _ENVELOPE_BYTES
@@ -58,6 +59,7 @@ from kvtier.producers.sglang_source import (
 )
 from kvtier.schemas.events import (
     BridgeCursor,
+    EngineQueue,
     EpochReason,
     EventBatch,
     TierEvent,
@@ -417,11 +419,14 @@ class RankBridge:
     async def _announce(self, cursor: BridgeCursor | None = None) -> None:
         """Metadata and lease, with where this bridge stands (or, before it has started,
         `cursor`: where the stream says the previous bridge stood)."""
+        counts = (engine_queue(self.engine.metrics_text, self.cfg.dp_rank, self.cfg.dp_size)
+                  if self.engine is not None and self.engine.metrics_text else None)
         announce = WorkerAnnounce(
             metadata=self.metadata, ts=time.time(), lease_ttl_s=self.cfg.lease_ttl_s,
             cursor=cursor or BridgeCursor(epoch=self.epoch, seq=self.seq, source_seq_last=self.source_seq_last,
                                           source_ts_last=self.source_ts_last),
-        )
+            engine_queue=EngineQueue(waiting=counts[0], running=counts[1], read_ts=self.engine.metrics_read_ts)
+            if counts is not None and self.engine is not None else None)
         await self._publish(self.subject, encode_message(announce))
 
     async def _engine_answers(self) -> bool:

@@ -49,7 +49,8 @@ class BridgeConfig:
             http_endpoint=worker.http_endpoint, hicache_enabled=worker.hicache_enabled,
             hicache_write_policy=worker.hicache_write_policy, engine_version=worker.engine_version,
             engine_health=EngineHealthCheck(url=worker.http_endpoint.rstrip("/") + health_path,
-                                            timeout_s=settings.health_timeout_s)
+                                            timeout_s=settings.health_timeout_s,
+                                            metrics_url=worker.http_endpoint.rstrip("/") + "/metrics")
             if worker.http_endpoint and health_path else None,
         )
 

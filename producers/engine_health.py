@@ -27,10 +27,12 @@ ENGINE_HEALTH_FAILURES = Counter("kvtier_bridge_engine_health_failures_total",
 
 @dataclass(frozen=True)
 class EngineHealthCheck:
-    """GET `url` must answer 2xx within `timeout_s` for the worker's lease to be renewed."""
+    """GET `url` must answer 2xx within `timeout_s` for the worker's lease to be renewed.
+    `metrics_url`, when set, is read after each answer for the engine's own queue."""
 
     url: str
     timeout_s: float
+    metrics_url: str = ""
 
 
 class EngineProbe:
@@ -46,6 +48,8 @@ class EngineProbe:
         self._asking: asyncio.Task[bool] | None = None
         self._answered_at = float("-inf")
         self._up: bool | None = None  # None: not asked yet
+        self.metrics_text = ""  # the engine's last /metrics answer ('' when it gave none)
+        self.metrics_read_ts = 0.0
 
     async def answers(self) -> bool:
         fresh = time.monotonic() - self._answered_at < self.reuse_s
@@ -78,7 +82,22 @@ class EngineProbe:
         elif self._up is False:
             log.warning("%s: the engine answers GET %s again; renewing its lease", self.label, self.check.url)
         self._up = not failure
+        if not failure and self.check.metrics_url:
+            await self._read_metrics()
         return not failure
+
+    async def _read_metrics(self) -> None:
+        """The engine's Prometheus text, for its queue. None is no outage: SGLang serves it only
+        with --enable-metrics."""
+        assert self._session is not None
+        text = ""
+        try:
+            async with self._session.get(self.check.metrics_url, allow_redirects=False) as reply:
+                if reply.status == 200:
+                    text = (await reply.read()).decode("utf-8", "replace")
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass
+        self.metrics_text, self.metrics_read_ts = text, time.time()
 
     async def close(self) -> None:
         if self._asking is not None:

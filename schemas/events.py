@@ -125,12 +125,23 @@ class BridgeCursor(msgspec.Struct, kw_only=True):
     source_ts_last: float = 0.0
 
 
+class EngineQueue(msgspec.Struct, kw_only=True, frozen=True):
+    """The engine's own queue, as its `/metrics` said when the bridge last asked: SGLang's
+    `sglang:num_queue_reqs` (waiting, not yet in a batch) and `sglang:num_running_reqs`."""
+
+    waiting: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
+    running: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
+    read_ts: Timestamp
+
+
 class WorkerAnnounce(msgspec.Struct, tag_field="kind", tag="announce", kw_only=True):
     v: int = SCHEMA_VERSION
     metadata: WorkerMetadata
     ts: Timestamp
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
     cursor: BridgeCursor
+    #: None where the bridge cannot read the engine's metrics (no worker URL, metrics off).
+    engine_queue: EngineQueue | None = None
 
 
 class WorkerExpired(msgspec.Struct, tag_field="kind", tag="expired", kw_only=True):

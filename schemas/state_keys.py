@@ -12,7 +12,10 @@ one hash slot: the apply script is atomic over it, and Redis Cluster shards by m
                                   source_seq (the engine's own seq of the last applied
                                   batch: how far into the engine's stream the state is),
                                   tiers_seen (OR of every tier bit ever stored), epoch_floor
-                                  (while rebuilding after a loss: older epochs are skipped), ...
+                                  (while rebuilding after a loss: older epochs are skipped),
+                                  engine_waiting / engine_running / engine_queue_ms (the
+                                  engine's own queue at its last announce, when the bridge can
+                                  read its /metrics), ...
   kvt:{m}:w:<worker>:meta   str   WorkerMetadata as JSON
   kvt:{m}:leases            zset  worker -> lease expiry (unix ms)
   kvt:{m}:workers           set   every worker with state

@@ -117,7 +117,7 @@ class _Engine:
         self.page_size = page_size
         self.prefill_free_at = 0.0  # when the last queued prefill ends
         self.busy_s = 0.0  # prefill seconds run so far (utilisation)
-        self.prefills: list[tuple[float, int]] = []  # (first token at, recomputed pages), FIFO
+        self.prefills: list[tuple[float, int, float]] = []  # (first token at, recomputed pages, start), FIFO
         self.decoding: list[tuple[float, float, int, int]] = []  # heap of (done at, first token at, context, pages)
 
     def _retire(self, now: float) -> None:
@@ -149,7 +149,7 @@ class _Engine:
         first = start + service_s
         self.prefill_free_at = first
         self.busy_s += service_s
-        self.prefills.append((first, recomputed_pages))
+        self.prefills.append((first, recomputed_pages, start))
         context = prompt_tokens + output_tokens
         batch = sum(d[2] for d in self.decoding if d[0] > first) + context
         done = first + output_tokens * self.cost.decode_step_s(batch)
@@ -159,7 +159,15 @@ class _Engine:
     def queued_prefill_pages(self, now: float) -> int:
         """Pages still to compute by prefills that have not reached their first token at `now`."""
         self._retire(now)
-        return sum(pages for first, pages in self.prefills if first > now)
+        return sum(pages for first, pages, _ in self.prefills if first > now)
+
+    def request_counts(self, now: float) -> tuple[int, int]:
+        """(waiting, running) at `now`, as SGLang's `num_queue_reqs` / `num_running_reqs` count
+        them: waiting have not begun their prefill; running are in prefill or decoding."""
+        self._retire(now)
+        waiting = sum(1 for _, _, start in self.prefills if start > now)
+        decoding = sum(1 for _, first, _, _ in self.decoding if first <= now)
+        return waiting, decoding + len(self.prefills) - waiting
 
     def decode_pages(self, now: float) -> int:
         """Pages (prompt + output) of the requests admitted and not done at `now`, queued ones

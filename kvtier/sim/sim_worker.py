@@ -34,6 +34,8 @@ With `--l3 --mooncake-rpc HOST:PORT --mooncake-metadata URL` the L3 pool is a re
 store instead: pages are written and looked up as SGLang HiCache's Mooncake backend names them,
 and a router asks the master itself.
   GET  /healthz
+  GET  /metrics, /w/<rank>/metrics   SGLang's sglang:num_queue_reqs and sglang:num_running_reqs, per
+        rank (label dp_rank), at the current simulated time
   GET  /health, /w/<rank>/health   200 while serving, as SGLang's /health: what `kvtier bridge`
         asks before it renews a worker's lease (its --worker-url is a rank's /w/<rank>)
 
@@ -383,6 +385,17 @@ class SimWorkers:
                                        l3_pages=len(self.pool) if self.pool is not None else None,
                                        tokenized_prompts=self.tokenized_prompts))
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The two gauges of SGLang's `/metrics` a router reads for the engine's own queue, one
+        sample per rank (`dp_rank`), at the clock's current simulated time."""
+        now = self._now + (time.monotonic() - self._wall)
+        lines = ["# TYPE sglang:num_queue_reqs gauge", "# TYPE sglang:num_running_reqs gauge"]
+        for rank, sim in enumerate(self.sims):
+            waiting, running = sim.engine.request_counts(now)
+            labels = f'{{model_name="sim",dp_rank="{rank}"}}'
+            lines += [f"sglang:num_queue_reqs{labels} {waiting}", f"sglang:num_running_reqs{labels} {running}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def health(self, request: web.Request) -> web.Response:
         rank = request.match_info.get("rank")
         if rank is not None and not 0 <= int(rank) < len(self.sims):
@@ -400,6 +413,8 @@ class SimWorkers:
         app.router.add_post("/w/{rank}/flush_cache", self.flush_cache)
         app.router.add_get("/batch_query_keys", self.batch_query_keys)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get(r"/w/{rank:\d+}/metrics", self.metrics)  # under a rank's worker URL too
         app.router.add_get("/health", self.health)
         app.router.add_get(r"/w/{rank:\d+}/health", self.health)
         return app

@@ -39,6 +39,10 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                 "last_epoch_reason": state.get("last_epoch_reason", ""), "gaps": int(state.get("gaps", 0) or 0),
                 "applied_ago_s": round((now_ms - applied_ms) / 1000, 1) if applied_ms else None,
                 "pages": {tier.value: int(state.get(f"n{tier.bit}", 0) or 0) for tier in TIER_PRIORITY},
+                # the engine's own queue at the last announce (null where the bridge cannot read it)
+                "engine_queue": {"waiting": int(state["engine_waiting"]), "running": int(state["engine_running"]),
+                                 "read_ago_s": round((now_ms - float(state["engine_queue_ms"])) / 1000, 1)}
+                if "engine_waiting" in state else None,
             })
     return rows
 
@@ -62,6 +66,8 @@ def run_inspect(settings: InspectSettings) -> int:
         status = f"STALE ({r['stale_reason']})" if r["stale"] else ("PARTIAL" if r["partial"] else "ok")
         if r["gaps"]:
             status += f", {r['gaps']} gaps"
+        if (queue := r["engine_queue"]) is not None:
+            status += f", engine {queue['waiting']} waiting / {queue['running']} running"
         p = r["pages"]
         print(f"{r['model'][:20]:<20} {r['worker'][:16]:<16} {lease:>6} {p['device']:>8} {p['host']:>8} "
               f"{p['disk']:>7} {p['external']:>5} {r['epoch']:>14} {r['seq']:>7} {ago:>8}  {status}")

@@ -7,6 +7,7 @@ whose expiry is still ahead (router/state.py)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -53,10 +54,10 @@ class Engine:
         self.worker_url = f"http://127.0.0.1:{self.http_port}/w/0"
         self.processes: list[KvtierProcess] = []
 
-    def start(self) -> None:
+    def start(self, device_pages: int = 64) -> None:
         self.processes.append(KvtierProcess(
             "sim-worker", "--port", str(self.zmq_port), "--replay-port", str(self.replay_port),
-            "--http-port", str(self.http_port), "--page-size", "4", "--device-pages", "64"))
+            "--http-port", str(self.http_port), "--page-size", "4", "--device-pages", str(device_pages)))
         wait_until(lambda: http_status(self.worker_url + "/health") == 200, timeout=30,
                    what=lambda: "the sim-worker's /health\n" + self.processes[-1].output()[-2000:])
 
@@ -185,3 +186,37 @@ def test_a_health_check_that_cannot_work_is_refused_at_start(flags, message):
                           "--worker-url", "http://127.0.0.1:1", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_engines_own_queue_is_published_beside_its_state(stack):
+    """The bridge reads the engine's /metrics (SGLang's sglang:num_queue_reqs and
+    num_running_reqs) after each health answer and announces it; the processor keeps it in the
+    worker's state, where `kvtier inspect` shows it."""
+    nats_url, client, engine, processes = stack
+    engine.start(device_pages=65536)
+    processes.append(start_bridge(nats_url, engine, free_port()))
+    wait_until(lambda: lease_live(client), timeout=30, what=lambda: processes[-1].output()[-2000:])
+    state_key = ModelKeys.for_model(MODEL).state(WORKER)
+    wait_until(lambda: client.hget(state_key, "engine_waiting") == b"0", timeout=10,  # idle: nothing waits
+               what=lambda: f"the state's engine fields: {client.hgetall(state_key)}")
+    # three prompts of 65,536 tokens at one simulated moment: over 3 s of prefill each
+    for seed in range(3):
+        prompt = [(seed * 7919 + i) % 50_000 for i in range(65_536)]
+        body = json.dumps({"input_ids": prompt, "now": 1000.0}).encode()
+        request = urllib.request.Request(engine.worker_url + "/generate", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.status == 200
+    wait_until(lambda: client.hget(state_key, "engine_running") == b"1"
+               and int(client.hget(state_key, "engine_waiting") or 0) >= 1, timeout=10,
+               what=lambda: f"the state's engine fields: {client.hgetall(state_key)}")
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "inspect", "--redis", redis_url(client), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [row] = json.loads(out.stdout)
+    assert row["engine_queue"]["running"] == 1 and row["engine_queue"]["waiting"] >= 1, row
+    assert 0 <= row["engine_queue"]["read_ago_s"] < 10, row
+
+
+def redis_url(client) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}"
