@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.schemas.router_health import (
     DecisionLogHealth,
+    EngineQueueHealth,
     HashSchemeHealth,
     MismatchedWorker,
     PartialWorker,
@@ -58,6 +59,7 @@ from .refusals import OPENAI_PATHS, Refused, check_budget, check_tokens, decode_
 from .service_settings import ServiceSettings
 from .settings import SharedCacheType
 from .siblings import tell_siblings, with_siblings
+from .state import read_engine_queues
 
 __all__ = ("PROXY_BOOKING_PREFIX", "Refused", "RouterConfig", "RouterService", "ServiceSettings", "run_router",
            "run_router_service")
@@ -89,6 +91,7 @@ class RouterService:
         self.metrics = router.metrics
         self._housekeeping: asyncio.Task | None = None
         self._hash_checks_read = -1e9
+        self._engine_queues: list[EngineQueueHealth] = []  # re-read with the hash checks
         self.queue = AdmissionQueue(on_depth=self.metrics.queue_depth.set, on_wait=self.metrics.queue_wait.observe)
         self._apply_admission(router.settings.admission)
         self.proxy = Proxy(router, settings, self.queue, self._decide)
@@ -294,6 +297,7 @@ class RouterService:
         if state_ok and time.monotonic() - self._hash_checks_read >= _STORE_HEALTH_S:
             try:
                 mismatches = await asyncio.wait_for(router.refresh_hash_mismatches(), 0.5)
+                self._engine_queues = await asyncio.wait_for(read_engine_queues(router.redis, time.time() * 1000), 0.5)
                 self._hash_checks_read = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - health reports, it does not fail
                 log.warning("reading hash checks failed: %s", exc)
@@ -320,6 +324,7 @@ class RouterService:
             hash_scheme=hash_scheme,
             partial_workers=[PartialWorker(model=model, worker_id=w)
                              for model, workers in router.partial_workers.items() for w in workers],
+            engine_queues=self._engine_queues,
             page_size=router.settings.router_page_size,
             decision_log=DecisionLogHealth(enabled=decision_log is not None,
                                            connected=bool(decision_log is not None and decision_log.connected)),

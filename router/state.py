@@ -15,6 +15,7 @@ import msgspec
 
 from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.health import HashCheck, decode_hash_check
+from kvtier.schemas.router_health import EngineQueueHealth
 from kvtier.schemas.routing import TierOverlap
 from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
@@ -199,6 +200,23 @@ async def read_partial_workers(client) -> dict[str, list[str]]:
         pipe.smembers(ModelKeys(token).partial_workers)
     return {token: sorted(as_text(w) for w in members)
             for token, members in zip(tokens, await pipe.execute()) if members}
+
+
+async def read_engine_queues(client, now_ms: float) -> list[EngineQueueHealth]:
+    """Every worker's engine queue as its last announce carried it (schemas/events.py
+    `EngineQueue`), across all models; workers whose bridge cannot read it are left out."""
+    tokens = sorted(as_text(m) for m in await client.smembers(MODELS_KEY))
+    pipe = client.pipeline(transaction=False)
+    for token in tokens:
+        pipe.smembers(ModelKeys(token).workers)
+    workers = [(token, as_text(w)) for token, members in zip(tokens, await pipe.execute()) for w in sorted(members)]
+    pipe = client.pipeline(transaction=False)
+    for token, worker in workers:
+        pipe.hmget(ModelKeys(token).state(worker), "engine_waiting", "engine_running", "engine_queue_ms")
+    return [EngineQueueHealth(model=token, worker_id=worker, waiting=int(waiting), running=int(running),
+                              read_ago_s=round((now_ms - float(read_ms)) / 1000, 1))
+            for (token, worker), (waiting, running, read_ms) in zip(workers, await pipe.execute())
+            if waiting is not None and running is not None and read_ms is not None]
 
 
 async def read_hash_mismatches(client) -> list[tuple[str, HashCheck]]:

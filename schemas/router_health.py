@@ -149,6 +149,16 @@ class ProcessHealth(msgspec.Struct, frozen=True, kw_only=True):
     indexes_ready: bool = False
 
 
+class EngineQueueHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's engine's own queue, as its bridge last read the engine's /metrics."""
+
+    model: str
+    worker_id: str
+    waiting: int
+    running: int
+    read_ago_s: float
+
+
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: "ok", "draining" (SIGTERM: refusing new requests), or "degraded" when the state store,
     #: the shared pool, a worker's hashes or the
@@ -161,6 +171,8 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     shared_pool: SharedPoolHealth = SharedPoolHealth()
     hash_scheme: HashSchemeHealth = HashSchemeHealth()
     partial_workers: list[PartialWorker] = []
+    #: Workers whose bridge reads their engine's queue (SGLang's /metrics); [] where none does.
+    engine_queues: list[EngineQueueHealth] = []
     #: The router's --page-size; None: it hashes at each worker's announced size; UNSET: a
     #: router too old to report it.
     page_size: int | None | msgspec.UnsetType = msgspec.UNSET

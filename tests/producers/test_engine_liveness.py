@@ -22,6 +22,7 @@ from kvtier.schemas.state_keys import ModelKeys
 from kvtier.sim.sim_worker import free_port_block
 
 from ..helpers import KvtierProcess, processor_process, stop_all, wait_until
+from ..router_helpers import RouterProcess, http
 
 MODEL = "liveness-model"
 WORKER = "w0"
@@ -215,6 +216,15 @@ def test_the_engines_own_queue_is_published_beside_its_state(stack):
     [row] = json.loads(out.stdout)
     assert row["engine_queue"]["running"] == 1 and row["engine_queue"]["waiting"] >= 1, row
     assert 0 <= row["engine_queue"]["read_ago_s"] < 10, row
+    router = RouterProcess(redis_url(client))
+    processes.append(router)
+
+    def healthz_queues():
+        return [q for q in http("GET", router.url + "/healthz")[1]["engine_queues"] if q["worker_id"] == WORKER]
+
+    [queue] = wait_until(healthz_queues, timeout=15, what=lambda: router.output()[-2000:])
+    # the counts move with the engine's clock; what the router shows is the announce's, and fresh
+    assert queue["model"] == MODEL and queue["running"] in (0, 1) and 0 <= queue["read_ago_s"] < 10, queue
 
 
 def redis_url(client) -> str:
