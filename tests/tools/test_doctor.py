@@ -215,7 +215,9 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
             "hash_scheme": {"ok": False, "mismatched_workers": [
                 {"model": "m", "worker_id": "w1", "mismatched_pages": 3, "checked_pages": 5,
                  "kinds": {"hash_scheme": 3}, "explanation": "other scheme"}]},
-            "partial_workers": [{"model": "m", "worker_id": "w2"}], "page_size": None,
+            "partial_workers": [{"model": "m", "worker_id": "w2"}],
+            "engine_queues": [{"model": "m", "worker_id": "w1", "waiting": 2, "running": 5, "read_ago_s": 0.7}],
+            "page_size": None,
             "decision_log": {"enabled": True, "connected": False}, "models": ["m"], "state_source": "mirror",
             "indexes": [{"model": "m", "ready": True, "position": "1796162837965-0", "change": 2,
                          "marker_id": "f42838bb26d24e01", "entries": 14, "lag_seconds": 0.001, "bootstraps": 1,
@@ -233,6 +235,7 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw
     assert health.hash_scheme.mismatched_workers[0].kinds == {"hash_scheme": 3}
+    assert health.engine_queues[0].waiting == 2 and health.engine_queues[0].running == 5
     assert judge._router_page_size(views.RouterView(url="r", reachable=True, healthz=health)) == (True, None)
     assert decode_router_health(b'{"status": "ok"}').page_size is msgspec.UNSET
     # A router from before --processes wrote no "processes": it reads as one process.
