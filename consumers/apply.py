@@ -19,7 +19,7 @@ import redis
 
 from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.changes import DEFAULT_CHANGES_MAXLEN
-from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce
+from kvtier.schemas.events import AllCleared, EventBatch, PagesRemoved, PagesStored, WorkerAnnounce, engine_queue_fields
 from kvtier.schemas.hashes import BlockHash, block_hash_from_page_key, page_key, page_keys_blob
 from kvtier.schemas.state_keys import DEFAULT_ROOT, ModelKeys, as_text, models_key, page_member, split_member, store_key
 from kvtier.schemas.subjects import partition_of
@@ -212,9 +212,8 @@ class TierStateWriter:
         _recorded, stale = self._announce(
             keys=[keys.meta(meta.worker_id), keys.leases, keys.workers, keys.page_sizes, keys.state(meta.worker_id)],
             args=[meta.worker_id, expiry_ms, encode_worker_metadata(meta), meta.page_size])
-        if (queue := announce.engine_queue) is not None:  # in the state: forgotten with the worker
-            self.client.hset(keys.state(meta.worker_id), mapping={"engine_waiting": queue.waiting, "engine_running":
-                             queue.running, "engine_queue_ms": int(queue.read_ts * 1000)})
+        if announce.engine_queue is not None:
+            self.client.hset(keys.state(meta.worker_id), mapping=engine_queue_fields(announce.engine_queue))
         return stale not in (b"0", "0", 0)
 
     def forget_dead_workers(self, retention_s: float, now: float | None = None) -> list[tuple[str, str]]:

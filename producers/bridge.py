@@ -34,14 +34,13 @@ from kvtier.producers.bridge_config import BridgeConfig, rank_configs
 from kvtier.producers.convert import convert_batch, source_timestamp
 
 # Re-exported: `kvtier bridge` builds its EngineHealthCheck from here, and the dashboards test reads
-# every bridge metric from this module.
+# the engine-health metrics from this module (the others from bridge_metrics.py).
 from kvtier.producers.engine_health import (  # noqa: F401
     ENGINE_HEALTH_FAILURES,
     ENGINE_UP,
     EngineHealthCheck,
     EngineProbe,
 )
-from kvtier.producers.engine_queue import engine_queue
 
 # Under their old private names, which the fuzz bench and tests import from here.
 from kvtier.producers.message_chunks import ENVELOPE_BYTES as _ENVELOPE_BYTES
@@ -59,7 +58,6 @@ from kvtier.producers.sglang_source import (
 )
 from kvtier.schemas.events import (
     BridgeCursor,
-    EngineQueue,
     EpochReason,
     EventBatch,
     TierEvent,
@@ -239,22 +237,28 @@ class RankBridge:
 
     async def _catch_up(self) -> None:
         """A quiet live path: forward what the replay socket holds past our last batch (a lost
-        batch is otherwise noticed only when the next one comes). Fetched from our last batch
-        on, so `_forward` checks it is ours: a restarted engine is no continuation."""
+        batch is otherwise noticed only when the next one comes). The probe asks from the next
+        seq (only an end marker while nothing is new) without holding the lock; what it finds is
+        fetched again from our last batch on, so `_forward` checks it is ours: a restarted
+        engine is no continuation."""
         expected = self.sequencer.expected
-        async with self.lock:
-            if expected is None or self.sequencer.expected != expected:
-                return  # nothing to anchor on, or the live path moved on meanwhile
-            assert self.replay is not None
-            try:
+        assert self.replay is not None
+        if expected is None:
+            return  # nothing to anchor on
+        try:
+            if not await self.replay.fetch(expected):
+                return
+            async with self.lock:
+                if self.sequencer.expected != expected:
+                    return  # the live path moved on meanwhile
                 filled = await self.replay.fetch(max(0, expected - 1))
-            except ReplaySocketError:
-                return  # asked again after the next quiet spell
-            if filled and filled[-1].seq >= expected:
-                metrics.CATCH_UPS.labels(self._label).inc()
-                log.info("%s: engine batches %d..%d missed on the live path, fetched from replay", self._label,
-                         expected, filled[-1].seq)
-                await self._forward(filled)
+                if filled and filled[-1].seq >= expected:
+                    metrics.CATCH_UPS.labels(self._label).inc()
+                    log.info("%s: engine batches %d..%d missed on the live path, fetched from replay", self._label,
+                             expected, filled[-1].seq)
+                    await self._forward(filled)
+        except ReplaySocketError:
+            return  # asked again after the next quiet spell
 
     async def _forward(self, raws: list[RawBatch]) -> None:
         """Forward engine batches in order, handling duplicates, gaps and restarts."""
@@ -419,14 +423,11 @@ class RankBridge:
     async def _announce(self, cursor: BridgeCursor | None = None) -> None:
         """Metadata and lease, with where this bridge stands (or, before it has started,
         `cursor`: where the stream says the previous bridge stood)."""
-        counts = (engine_queue(self.engine.metrics_text, self.cfg.dp_rank, self.cfg.dp_size)
-                  if self.engine is not None and self.engine.metrics_text else None)
         announce = WorkerAnnounce(
             metadata=self.metadata, ts=time.time(), lease_ttl_s=self.cfg.lease_ttl_s,
             cursor=cursor or BridgeCursor(epoch=self.epoch, seq=self.seq, source_seq_last=self.source_seq_last,
                                           source_ts_last=self.source_ts_last),
-            engine_queue=EngineQueue(waiting=counts[0], running=counts[1], read_ts=self.engine.metrics_read_ts)
-            if counts is not None and self.engine is not None else None)
+            engine_queue=self.engine.queue(self.cfg.dp_rank, self.cfg.dp_size) if self.engine is not None else None)
         await self._publish(self.subject, encode_message(announce))
 
     async def _engine_answers(self) -> bool:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client import Counter, Gauge
 
+from kvtier.producers.engine_queue import engine_queue
+from kvtier.schemas.events import EngineQueue
+
 # The bridge's own logger: these lines are the bridge's, whichever module writes them.
 log = logging.getLogger("kvtier.bridge")
 
@@ -48,8 +51,9 @@ class EngineProbe:
         self._asking: asyncio.Task[bool] | None = None
         self._answered_at = float("-inf")
         self._up: bool | None = None  # None: not asked yet
-        self.metrics_text = ""  # the engine's last /metrics answer ('' when it gave none)
-        self.metrics_read_ts = 0.0
+        self._metrics_text = ""  # the engine's last /metrics answer ('' when it gave none)
+        self._metrics_read_ts = 0.0
+        self._reading_metrics: asyncio.Task[None] | None = None
 
     async def answers(self) -> bool:
         fresh = time.monotonic() - self._answered_at < self.reuse_s
@@ -82,9 +86,17 @@ class EngineProbe:
         elif self._up is False:
             log.warning("%s: the engine answers GET %s again; renewing its lease", self.label, self.check.url)
         self._up = not failure
-        if not failure and self.check.metrics_url:
-            await self._read_metrics()
+        if not failure and self.check.metrics_url and (self._reading_metrics is None or self._reading_metrics.done()):
+            # beside the answer, not in front of it: a slow /metrics never delays a lease renewal
+            self._reading_metrics = asyncio.create_task(self._read_metrics())
         return not failure
+
+    def queue(self, dp_rank: int, dp_size: int) -> EngineQueue | None:
+        """The DP rank's share of the engine's queue at the last /metrics read, None where
+        that read told nothing (see engine_queue)."""
+        counts = engine_queue(self._metrics_text, dp_rank, dp_size) if self._metrics_text else None
+        return None if counts is None else EngineQueue(waiting=counts[0], running=counts[1],
+                                                       read_ts=self._metrics_read_ts)
 
     async def _read_metrics(self) -> None:
         """The engine's Prometheus text, for its queue. None is no outage: SGLang serves it only
@@ -97,11 +109,12 @@ class EngineProbe:
                     text = (await reply.read()).decode("utf-8", "replace")
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass
-        self.metrics_text, self.metrics_read_ts = text, time.time()
+        self._metrics_text, self._metrics_read_ts = text, time.time()
 
     async def close(self) -> None:
-        if self._asking is not None:
-            self._asking.cancel()
-            await asyncio.gather(self._asking, return_exceptions=True)
+        for task in (self._asking, self._reading_metrics):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()

@@ -167,5 +167,4 @@ def batches_after(buffered: list[RawBatch], seq: int, ts: float) -> list[RawBatc
 
 
 __all__ = ["RawBatch", "SglangSubscriber", "ReplaySocketClient", "ReplaySocketError", "SourceSequencer", "same_ts",
-           "parse_pub_frames", "SEQ_BYTES",
-           "decode_raw", "batches_after"]
+           "parse_pub_frames", "SEQ_BYTES", "decode_raw", "batches_after"]

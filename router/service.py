@@ -300,7 +300,7 @@ class RouterService:
                 self._engine_queues = await asyncio.wait_for(read_engine_queues(router.redis, time.time() * 1000), 0.5)
                 self._hash_checks_read = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - health reports, it does not fail
-                log.warning("reading hash checks failed: %s", exc)
+                log.warning("reading hash checks or engine queues failed: %s", exc)
         return state_ok, state_error, mismatches
 
     async def healthz(self, request: web.Request) -> web.Response:

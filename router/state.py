@@ -14,6 +14,7 @@ from typing import Protocol
 import msgspec
 
 from kvtier.plumbing.lua_scripts import load_lua
+from kvtier.schemas.events import ENGINE_QUEUE_FIELDS, engine_queue_from_fields
 from kvtier.schemas.health import HashCheck, decode_hash_check
 from kvtier.schemas.router_health import EngineQueueHealth
 from kvtier.schemas.routing import TierOverlap
@@ -212,11 +213,12 @@ async def read_engine_queues(client, now_ms: float) -> list[EngineQueueHealth]:
     workers = [(token, as_text(w)) for token, members in zip(tokens, await pipe.execute()) for w in sorted(members)]
     pipe = client.pipeline(transaction=False)
     for token, worker in workers:
-        pipe.hmget(ModelKeys(token).state(worker), "engine_waiting", "engine_running", "engine_queue_ms")
-    return [EngineQueueHealth(model=token, worker_id=worker, waiting=int(waiting), running=int(running),
-                              read_ago_s=round((now_ms - float(read_ms)) / 1000, 1))
-            for (token, worker), (waiting, running, read_ms) in zip(workers, await pipe.execute())
-            if waiting is not None and running is not None and read_ms is not None]
+        pipe.hmget(ModelKeys(token).state(worker), *ENGINE_QUEUE_FIELDS)
+    queues = [((token, worker), engine_queue_from_fields(values))
+              for (token, worker), values in zip(workers, await pipe.execute())]
+    return [EngineQueueHealth(model=token, worker_id=worker, waiting=queue.waiting, running=queue.running,
+                              read_ago_s=round(now_ms / 1000 - queue.read_ts, 1))
+            for (token, worker), queue in queues if queue is not None]
 
 
 async def read_hash_mismatches(client) -> list[tuple[str, HashCheck]]:

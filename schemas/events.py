@@ -11,7 +11,7 @@ newer than `SCHEMA_VERSION` is refused with a clear reason (dead-lettered), neve
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -132,6 +132,26 @@ class EngineQueue(msgspec.Struct, kw_only=True, frozen=True):
     waiting: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
     running: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
     read_ts: Timestamp
+
+
+#: Where the processor keeps a worker's last EngineQueue: fields of its state hash, so they
+#: are forgotten with the worker.
+ENGINE_QUEUE_FIELDS = ("engine_waiting", "engine_running", "engine_queue_ms")
+
+
+def engine_queue_fields(queue: EngineQueue) -> dict[Any, int]:
+    """The state-hash fields (ENGINE_QUEUE_FIELDS) holding `queue`. (Keys typed Any: redis-py's
+    `hset` wants a mapping keyed by its own union, which a dict[str, ...] is not.)"""
+    return dict(zip(ENGINE_QUEUE_FIELDS, (queue.waiting, queue.running, int(queue.read_ts * 1000))))
+
+
+def engine_queue_from_fields(values: list) -> EngineQueue | None:
+    """The EngineQueue those fields hold (values in ENGINE_QUEUE_FIELDS order, bytes or text),
+    None where the worker's bridge never sent one."""
+    if any(value is None for value in values):
+        return None
+    waiting, running, read_ms = values
+    return EngineQueue(waiting=int(waiting), running=int(running), read_ts=int(read_ms) / 1000)
 
 
 class WorkerAnnounce(msgspec.Struct, tag_field="kind", tag="announce", kw_only=True):

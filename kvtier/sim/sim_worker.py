@@ -235,10 +235,14 @@ class SimWorkers:
         by the wall time since the last request."""
         wall = time.monotonic()
         if now is None:
-            now = self._now + (wall - self._wall)
+            now = self._untimed_now(wall)
         self._wall = wall
         self._now = max(self._now, now)
         return now
+
+    def _untimed_now(self, wall: float) -> float:
+        """The simulated time at `wall` for what carries no time of its own."""
+        return self._now + (wall - self._wall)
 
     def _flush(self, rank: int) -> None:
         events = self.sims[rank].drain_events()
@@ -388,7 +392,7 @@ class SimWorkers:
     async def metrics(self, request: web.Request) -> web.Response:
         """The two gauges of SGLang's `/metrics` a router reads for the engine's own queue, one
         sample per rank (`dp_rank`), at the clock's current simulated time."""
-        now = self._now + (time.monotonic() - self._wall)
+        now = self._untimed_now(time.monotonic())
         lines = ["# TYPE sglang:num_queue_reqs gauge", "# TYPE sglang:num_running_reqs gauge"]
         for rank, sim in enumerate(self.sims):
             waiting, running = sim.engine.request_counts(now)

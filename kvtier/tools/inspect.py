@@ -9,6 +9,7 @@ import time
 import redis
 
 from kvtier.plumbing.connections import redis_client
+from kvtier.schemas.events import ENGINE_QUEUE_FIELDS, engine_queue_from_fields
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.tiers import TIER_PRIORITY
 from kvtier.tools.settings import InspectSettings
@@ -40,9 +41,9 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                 "applied_ago_s": round((now_ms - applied_ms) / 1000, 1) if applied_ms else None,
                 "pages": {tier.value: int(state.get(f"n{tier.bit}", 0) or 0) for tier in TIER_PRIORITY},
                 # the engine's own queue at the last announce (null where the bridge cannot read it)
-                "engine_queue": {"waiting": int(state["engine_waiting"]), "running": int(state["engine_running"]),
-                                 "read_ago_s": round((now_ms - float(state["engine_queue_ms"])) / 1000, 1)}
-                if "engine_waiting" in state else None,
+                "engine_queue": {"waiting": queue.waiting, "running": queue.running,
+                                 "read_ago_s": round(now_ms / 1000 - queue.read_ts, 1)}
+                if (queue := engine_queue_from_fields([state.get(f) for f in ENGINE_QUEUE_FIELDS])) else None,
             })
     return rows
 
