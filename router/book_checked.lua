@@ -8,7 +8,8 @@
 -- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 load version (the load
 --       keys of bookings.lua), 5 leases zset, 6 stale workers set, 7 incarnation marker hash,
 --       8 change counter, 9 the session's key (the model's key base when the request has no
---       session), 10 the request's booking hash; every key this script touches
+--       session), 10 the request's booking hash, 11 the model's rates hash; every key this
+--       script touches
 -- Nothing expired is swept here (housekeeping sweeps): a booking costs a dozen commands.
 -- ARGV: 1 now (unix ms), 2 booking ttl (ms), 3 request id, 4 worker, 5 prefill pages to
 --       book, 6 decode pages to book, 7 the load version the choice was made at, 8 the change
@@ -16,14 +17,18 @@
 --       the decision already waited for the index to apply what a try found), 9 the leases
 --       zset's size and 10 the stale set's size when the replica read them, 11 the marker id
 --       it read, 12 book (1|0), 13 session ttl (ms; 0: no session), 14 1 when the choice
---       leaves the session's worker on purpose (it is not a candidate), else 0
+--       leaves the session's worker on purpose (it is not a candidate), else 0, 15 the work
+--       the decision predicts its first token waits for ("compute host-load L3-load" tokens,
+--       kept in the booking for release.lua to learn from; "": none), 16 1 when the loads'
+--       answer carries the rates too (a replica that prices by them), else 0
 -- Returns one of
 --   {1, load version after booking, the session's worker as found ("" when none, or left)}
 --                                         booked (or, with book 0, the copy is current)
 --   {-1, worker}                          the request id already holds a booking (on worker)
 --   {-2, change counter}                  the roster is not what Redis holds: read it again
 --   {-5, change counter}                  the feed is past the index: decide once it has applied it
---   {-3, load version, {prefill hash}, {decode hash}}  the loads moved: here they are, choose again
+--   {-3, load version, {prefill hash}, {decode hash}, {rates hash}}  the loads moved: here they
+--                                         are (the rates, written with the loads, with ARGV 16), choose again
 --   {-4, worker}                          the session keeps another worker: choose it
 local now, ttl, request_id, worker = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local book = ARGV[12] == '1'
@@ -52,7 +57,9 @@ end
 
 local version = redis.call('GET', LOAD.version) or '0'
 if version ~= ARGV[7] then
-  return {-3, version, redis.call('HGETALL', LOAD.prefill), redis.call('HGETALL', LOAD.decode)}
+  local rates = {}
+  if ARGV[16] == '1' then rates = redis.call('HGETALL', KEYS[11]) end
+  return {-3, version, redis.call('HGETALL', LOAD.prefill), redis.call('HGETALL', LOAD.decode), rates}
 end
 if not book then return {1, tonumber(version), kept} end
 
@@ -61,6 +68,7 @@ add_load(LOAD.prefill, worker, prefill_pages)
 add_load(LOAD.decode, worker, decode_pages)
 version = loads_changed()
 redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
+if ARGV[15] ~= '' then redis.call('HSET', bk, 'work', ARGV[15], 'at', now) end
 -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
 redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
 redis.call('ZADD', LOAD.bookings, now + ttl, request_id)

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.plumbing.multiplexed import MultiplexedRedis
+from kvtier.schemas.rates import RateFit, decode_fit
 from kvtier.schemas.routing import ReleaseStage
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
+from .rates import FIT_SETTINGS, RATE_PRIOR, Work, fit_arguments
 from .settings import BOOKING_TTL_S
 
 _COMMON = load_lua("kvtier.router", "bookings.lua")
+#: The fit's prior and settings as release.lua passes them to learn_rate (router/rates.py).
+_FIT_ARGUMENTS = fit_arguments(RATE_PRIOR, FIT_SETTINGS)
 SWEEP_LIMIT = 256
 
 
@@ -41,6 +45,7 @@ class Released:
     prefill_pages: int
     decode_pages: int
     load_version: int = 0  # the model's load version after the release (0: nothing found)
+    fit: RateFit | None = None  # the worker's rates after a first token that taught them
 
 
 class Checked(enum.IntEnum):
@@ -62,6 +67,7 @@ class CheckedBooking:
     change: int = 0  # STATE_MOVED, FEED_AHEAD: the change counter
     prefill: object = None  # LOADS_MOVED: the hashes as HGETALL gives them
     decode: object = None
+    rates: object = None  # LOADS_MOVED, when asked for
 
 
 def _now_ms() -> int:
@@ -82,7 +88,8 @@ class LoadBook:
         self._shared = MultiplexedRedis.for_client(client)
         self._select = client.register_script(_COMMON + load_lua("kvtier.router", "select_and_book.lua"))
         self._checked = client.register_script(_COMMON + load_lua("kvtier.router", "book_checked.lua"))
-        self._release = client.register_script(_COMMON + load_lua("kvtier.router", "release.lua"))
+        self._release = client.register_script(_COMMON + load_lua("kvtier.router", "learn_rates.lua")
+                                               + load_lua("kvtier.router", "release.lua"))
         self._reconcile = client.register_script(_COMMON + load_lua("kvtier.router", "reconcile_loads.lua"))
         self.ttl_ms = int(booking_ttl_s * 1000)
 
@@ -90,11 +97,15 @@ class LoadBook:
                               candidates: Sequence[tuple[str, float, int]], prefill_load_scale: float,
                               temperature: float, u: float, book: bool = True,
                               selection: str = "score", predict: str = "",
-                              devices: Sequence[int] = ()) -> Selection:
+                              devices: Sequence[int] = (), scales: Sequence[float] = (),
+                              works: Sequence[tuple[Work, int]] = ()) -> Selection:
         """`candidates`: (worker id, cache credit, pages it need not compute) in a fixed order.
         `selection`: "score" (the formula), "round-robin" or "random" (select_and_book.lua).
         `predict`: the request's page keys blob to predict on the chosen worker past its
-        device overlap (`devices`, in candidate order); "" predicts nothing."""
+        device overlap (`devices`, in candidate order); "" predicts nothing. `scales`: each
+        candidate's prefill_load_scale (the formula priced at its rates; empty: the one given).
+        `works`: each candidate's predicted work before its booked prefill, with its page size
+        (empty: the booking teaches nothing at its first token)."""
         if any("," in c[0] for c in candidates):
             raise ValueError("worker ids must not contain ',' (bridges only announce [A-Za-z0-9_-] ids)")
         keys = ModelKeys.for_model(model)
@@ -103,7 +114,10 @@ class LoadBook:
                                  1 if book else 0]
         args += (",".join(c[0] for c in candidates), ",".join(repr(float(c[1])) for c in candidates),
                  ",".join(str(c[2]) for c in candidates), selection, predict if book else "",
-                 ",".join(str(d) for d in devices) if predict else "")
+                 ",".join(str(d) for d in devices) if predict else "",
+                 ",".join(repr(float(x)) for x in scales),
+                 ",".join(f"{w.compute_tokens:.17g} {w.host_tokens:.17g} {w.l3_tokens:.17g} {size}"
+                          for w, size in works))
         raw = await self._select(keys=[*_load_keys(keys), keys.booking(request_id), keys.round_robin], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))
@@ -113,33 +127,43 @@ class LoadBook:
     async def book_checked(self, keys: ModelKeys, request_id: str, worker_id: str, prefill_pages: int,
                            decode_pages: int, *, load_version: int | None, change: int | None, lease_count: int,
                            stale_count: int, marker_id: str, book: bool = True, session_id: str | None = None,
-                           session_ttl_ms: int = 0, leave_session: bool = False) -> CheckedBooking:
+                           session_ttl_ms: int = 0, leave_session: bool = False, work: Work | None = None,
+                           with_rates: bool = False) -> CheckedBooking:
         """Book `worker_id`, chosen on a copy of the model's state, only if the copy is what
         Redis holds (book_checked.lua says what each argument is checked against). `change`:
-        the change number the overlaps were read at (None: not checked)."""
+        the change number the overlaps were read at (None: not checked). `work`: what the
+        decision predicts its first token waits for, kept for release.lua to learn from;
+        `with_rates`: the loads' answer carries the rates too."""
         session_key = keys.session(session_id) if session_id else keys.base
         raw = await self._run(
             self._checked,
             [*_load_keys(keys), keys.leases, keys.stale_workers, keys.incarnation, keys.changes_counter, session_key,
-             keys.booking(request_id)],
+             keys.booking(request_id), keys.rates],
             [_now_ms(), self.ttl_ms, request_id, worker_id, prefill_pages, decode_pages,
              -1 if load_version is None else load_version, "" if change is None else change, lease_count,
              stale_count, marker_id, 1 if book else 0, session_ttl_ms if session_id else 0,
-             1 if leave_session else 0])
+             1 if leave_session else 0,
+             "" if work is None else f"{work.compute_tokens:.17g} {work.host_tokens:.17g} {work.l3_tokens:.17g}",
+             1 if with_rates else 0])
         outcome = Checked(int(raw[0]))
         if outcome is Checked.BOOKED:
             return CheckedBooking(outcome, load_version=int(raw[1]), worker_id=as_text(raw[2] or b""))
         if outcome is Checked.LOADS_MOVED:
-            return CheckedBooking(outcome, load_version=int(raw[1]), prefill=raw[2], decode=raw[3])
+            return CheckedBooking(outcome, load_version=int(raw[1]), prefill=raw[2], decode=raw[3], rates=raw[4])
         if outcome in (Checked.STATE_MOVED, Checked.FEED_AHEAD):
             return CheckedBooking(outcome, change=int(raw[1]))
         return CheckedBooking(outcome, worker_id=as_text(raw[1] or b""))
 
-    async def release(self, model: str, request_id: str, stage: ReleaseStage) -> Released:
+    async def release(self, model: str, request_id: str, stage: ReleaseStage,
+                      ttft_ms: float | None = None) -> Released:
+        """`ttft_ms`: the first token's time as the client measured it (None: since the
+        booking); a first token teaches the worker's rates when its booking carries work."""
         keys = ModelKeys.for_model(model)
-        raw = await self._run(self._release, [*_load_keys(keys), keys.booking(request_id)],
-                              [keys.base, request_id, stage.value, _now_ms(), 32])
-        return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0))
+        raw = await self._run(self._release, [*_load_keys(keys), keys.booking(request_id), keys.rates],
+                              [keys.base, request_id, stage.value, _now_ms(), 32,
+                               "" if ttft_ms is None else repr(float(ttft_ms)), *_FIT_ARGUMENTS])
+        fit = decode_fit(raw[5]) if raw[5] else None
+        return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0), fit)
 
     async def _run(self, script, keys: list, args: list):
         if self._shared is None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import redis.exceptions
 
-from kvtier.schemas.health import HashCheck
 from kvtier.schemas.routing import (
     CandidateScore,
     ReleaseResponse,
@@ -38,9 +37,10 @@ from kvtier.schemas.routing import (
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import name_of_token, subject_token
 
-from . import lean, scoring, steps
+from . import lean, rates, scoring, steps
 from .booking import AlreadyBooked, LoadBook, Selection
 from .breaker import CircuitBreaker
+from .cluster_checks import ClusterChecks
 from .errors import Busy as Busy  # router/admission.py imports it from here
 from .errors import DuplicateRequest, NoWorkers, RoutingError, UnknownModel
 from .fallback import Fallback as _Fallback  # the name tests/consumers/test_restarts_and_lag.py imports
@@ -50,7 +50,7 @@ from .index_feed import CATCH_UP_WAIT_S, IndexedOverlapReader, ModelIndex, TierI
 from .lean import LEAN_ATTEMPTS
 from .metrics import RouterMetrics
 from .recording import DecisionRecorder
-from .roster import Roster, Rosters
+from .roster import Roster, Rosters, fits_of
 from .settings import RouterSettings
 from .shared_pool import SharedPoolClient, SharedPoolUnavailable
 from .shared_query import SharedPoolQuery
@@ -61,8 +61,6 @@ from .state import (
     Views,
     WorkerDirectory,
     WorkerStatus,
-    read_hash_mismatches,
-    read_partial_workers,
 )
 from .steps import DEGRADED_ONLY_STALE as DEGRADED_ONLY_STALE  # imported from here by the service and tools
 from .steps import DEGRADED_REBUILDING, DEGRADED_SHARED_POOL, DEGRADED_STATE_STORE
@@ -129,20 +127,13 @@ class Router:
         self.state_store = StateStoreWatch(settings, metrics)
         self._reconciled_at = -1e9  # when housekeeping last recomputed loads from bookings
         self.models_seen: set[str] = set()
-        self.hash_mismatches: list[tuple[str, HashCheck]] = []
-        self.partial_workers: dict[str, list[str]] = {}
-        self._hash_checks_read_at = -1e9
+        self.checks = ClusterChecks(redis_client, metrics)  # hash checks, partial workers, rates
         self.decisions_made = 0
 
     @property
     def last_state_error(self) -> str:
         """The state store's last failure ("" once it answers again)."""
         return self.state_store.last_error
-
-    @property
-    def mirror(self) -> TierIndexes | None:
-        """The old name of `indexes`, for callers not yet moved (kvtier/bench/route.py)."""
-        return self.indexes
 
     @property
     def last_shared_pool_error(self) -> str:
@@ -301,17 +292,19 @@ class Router:
         fresh.sort(key=lambda v: v.worker_id)
         scores = steps.score_inputs(fresh, read.directory, shared, read.pages_by_size, len(request.token_ids),
                                     request.max_new_tokens, weights)
-        inputs, credits = scores.inputs, scores.credits
+        inputs = scores.inputs
+        credits, scales, pricing = await self._priced(model, [v.worker_id for v in found.views], scores, weights)
         affinity = ""
         if request.session_id:
             kept = await self._session_worker(model, request.session_id)
             index, affinity = steps.keep_session(inputs, kept, scores.n_pages, weights, u)
             if index is not None:
                 fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
+                scales = scales[index:index + 1]
         selection = await self._select_and_book(request, request_id, scores, inputs, credits, read.pages_by_size,
-                                                weights, u)
+                                                weights, u, scales, [v.page_size for v in fresh])
         booked_inputs = steps.with_loads(inputs, selection.prefill_loads, selection.decode_loads)
-        scored = scoring.score(scores.n_pages, booked_inputs, weights, u)
+        scored = rates.priced_score(scores.n_pages, booked_inputs, weights, pricing, u)
         if scored.chosen != selection.chosen and self.settings.selection == "score":
             self.metrics.scoring_mismatch.inc()
             log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
@@ -336,6 +329,20 @@ class Router:
             n_pages=scores.n_pages, chosen=winner.worker_id, candidates=candidates, degraded=found.degraded,
             latency=latency, shared=shared)
         return Outcome(response, decision, read.pages_by_size.get(fresh[chosen].page_size))
+
+    async def _priced(self, model: str, workers: list[str], scores: steps.ScoreInputs, weights: ScoringWeights
+                      ) -> tuple[list[float], list[float], dict[str, rates.Pricing] | None]:
+        """(credits, prefill_load_scales, pricing) of the candidates: with --router-mode
+        predicted-ttft, at each one's pricing against the workers of the read (their rates read
+        just before the booking, as the overlaps were); else the formula's ([] scales, None)."""
+        if not self.settings.priced:
+            return scores.credits, [], None
+        fits = fits_of(await self.redis.hgetall(ModelKeys.for_model(model).rates))
+        pricing = rates.pricing_by_worker(fits, workers)
+        inputs = scores.inputs
+        credits, scales = rates.priced_columns([c.worker_id for c in inputs], {c.worker_id: c.overlap for c in inputs},
+                                               weights, pricing)
+        return credits, scales, pricing
 
     async def _read_state(self, request: RouteRequest) -> _StateRead:
         """Every live worker's view (one round trip) while the shared pool is asked which pages
@@ -375,8 +382,12 @@ class Router:
     async def _select_and_book(self, request: RouteRequest, request_id: str, scores: steps.ScoreInputs,
                                inputs: list[scoring.CandidateInputs], credits: list[float],
                                pages_by_size: dict[int, RequestPages], weights: ScoringWeights,
-                               u: float) -> Selection:
-        """select_and_book.lua: the choice and its booking, atomic in Redis."""
+                               u: float, scales: list[float], page_sizes: list[int]) -> Selection:
+        """select_and_book.lua: the choice and its booking, atomic in Redis. `scales`: each
+        candidate's priced prefill_load_scale (empty: the weights'). The booking keeps what
+        the chosen one's first token waits for, for its rates to learn from."""
+        works = [(rates.predicted_work(len(request.token_ids), c.overlap, 0, size), size)
+                 for c, size in zip(inputs, page_sizes)]
         primary_size = scores.primary_size
         predict = (pages_by_size[primary_size].keys_blob
                    if self.settings.predicted_pages and primary_size in pages_by_size else "")
@@ -384,7 +395,8 @@ class Router:
             return await self.book.select_and_book(
                 request.model, request_id, scores.n_pages, scores.decode_pages, steps.booking_offers(inputs, credits),
                 weights.prefill_load_scale, weights.temperature, u, book=request.book,
-                selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs])
+                selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs],
+                scales=scales, works=works)
         except AlreadyBooked as exc:
             raise DuplicateRequest(str(exc)) from None
 
@@ -417,22 +429,25 @@ class Router:
         return Outcome(response, decision)
 
     # --- releases -----------------------------------------------------------------------
-    async def release(self, model: str, request_id: str, stage: ReleaseStage) -> ReleaseResponse:
+    async def release(self, model: str, request_id: str, stage: ReleaseStage,
+                      ttft_ms: float | None = None) -> ReleaseResponse:
+        """`ttft_ms`: at first token, how long it took as the client measured it (None: the
+        time since the booking); it teaches the worker's rates (router/rates.py)."""
         if stage is ReleaseStage.COMPLETE and self._fallback.release(request_id):
             self.metrics.fallback_in_flight.set(len(self._fallback.in_flight))
             self.metrics.releases.labels(stage.value, "fallback").inc()
             return ReleaseResponse(request_id=request_id, released=True)
         held = self.rosters.models.get(model) if self.rosters is not None else None
         if held is None:
-            released = await self.book.release(model, request_id, stage)
+            released = await self.book.release(model, request_id, stage, ttft_ms)
         else:
             # Under the lock this replica's bookings take, so its own writes never make its
             # copy of the loads stale; the answer's version keeps the copy exact.
             async with held.lock:
-                released = await self.book.release(model, request_id, stage)
+                released = await self.book.release(model, request_id, stage, ttft_ms)
                 if released.found and held.roster is not None:
                     held.roster.add(released.worker_id, -released.prefill_pages, -released.decode_pages,
-                                    released.load_version)
+                                    released.load_version, released.fit)
         self.metrics.releases.labels(stage.value, str(released.found).lower()).inc()
         return ReleaseResponse(request_id=request_id, released=released.found, worker_id=released.worker_id,
                                prefill_pages=released.prefill_pages, decode_pages=released.decode_pages)
@@ -474,26 +489,8 @@ class Router:
                     if await self.book.reconcile(model):
                         self.metrics.load_reconciled.inc()
                         log.warning("model %s: booked load had drifted from its live bookings; recomputed", model)
-            if time.monotonic() - self._hash_checks_read_at >= HASH_CHECK_REFRESH_S:
-                await self.refresh_hash_mismatches()
+            if time.monotonic() - self.checks.read_at >= HASH_CHECK_REFRESH_S:
+                await self.checks.refresh()
             self.state_store.answered()
         except Exception as exc:  # noqa: BLE001 - any Redis failure degrades the same way
             self.state_store.failed(exc)
-
-    async def refresh_hash_mismatches(self) -> list[tuple[str, HashCheck]]:
-        """Re-read the processors' hash checks; workers that fail them are in /healthz and
-        `router_worker_hash_mismatch_pages`."""
-        found = await read_hash_mismatches(self.redis)
-        partial = await read_partial_workers(self.redis)
-        self.metrics.replace_series(self.metrics.partial_workers,
-                                    {(model,): len(workers) for model, workers in partial.items()})
-        self.partial_workers = partial
-        self._hash_checks_read_at = time.monotonic()
-        self.metrics.replace_series(self.metrics.worker_hash_mismatch,
-                                    {(model, check.worker_id): check.mismatched for model, check in found})
-        for model, check in found:
-            if all((model, check.worker_id) != (m, c.worker_id) for m, c in self.hash_mismatches):
-                log.error("worker %s/%s publishes page hashes routers cannot match (%d of %d checked pages): %s",
-                          model, check.worker_id, check.mismatched, check.checked, check.explanation)
-        self.hash_mismatches = found
-        return found

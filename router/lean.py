@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvtier.schemas.routing import RouteRequest, ScoringWeights, TierOverlap
 from kvtier.schemas.state_keys import ModelKeys
 
-from . import steps
+from . import rates, steps
 from .booking import AlreadyBooked, Checked, LoadBook
 from .errors import Busy, DuplicateRequest
 from .hashing import RequestPages
@@ -142,15 +142,22 @@ class CopyBooking:
                 if (await held.read(int(time.time() * 1000))).candidates != roster.candidates:
                     return None  # who is live changed too: decide again from the top
                 continue
-            chosen, formula, values = steps.choose_on_copy(ids, pool, lean.n_pages, lean.credits, prefill, decode,
-                                                           weights, u, None if leave else kept)
+            credits, scales = lean.credits, None
+            if self.settings.priced:
+                pricing = rates.pricing_by_worker(roster.rates, roster.candidates)
+                credits, scales = rates.priced_columns(ids, lean.overlaps, weights, pricing)
+            chosen, formula, values = steps.choose_on_copy(ids, pool, lean.n_pages, credits, prefill, decode,
+                                                           weights, u, None if leave else kept, scales)
             worker = ids[chosen]
             prefill_pages = steps.prefill_pages_needed(lean.n_pages, lean.overlaps[worker])
+            work = rates.predicted_work(len(request.token_ids), lean.overlaps[worker], prefill[chosen],
+                                        roster.live[worker][0])
             answer = await self.book.book_checked(
                 keys, request_id, worker, prefill_pages, lean.decode_pages, load_version=roster.load_version,
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
                 marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
-                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave)
+                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave, work=work,
+                with_rates=self.settings.priced)
             if answer.outcome is Checked.BOOKED:
                 if request.book:
                     self._follow_booking(roster, session, worker, prefill_pages, lean.decode_pages, answer.load_version)
@@ -160,7 +167,8 @@ class CopyBooking:
             if answer.outcome is Checked.ALREADY_BOOKED:
                 raise DuplicateRequest(str(AlreadyBooked(request_id, answer.worker_id)))
             if answer.outcome is Checked.LOADS_MOVED:
-                roster.set_loads(answer.load_version, answer.prefill, answer.decode)
+                roster.set_loads(answer.load_version, answer.prefill, answer.decode,
+                                 answer.rates if self.settings.priced else None)
             elif answer.outcome is Checked.SESSION_ELSEWHERE:
                 kept = answer.worker_id
                 if session:

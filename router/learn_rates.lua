@@ -1,27 +1,15 @@
 -- One worker's learned rates after one first token: router/rates.py's `observe`, inside Redis,
 -- so every router replica's releases update the one fit each worker has, and a new replica
 -- reads what the others learned (tests/router/test_rates.py holds the two to the same numbers).
--- KEYS: 1 the model's rates hash (field: worker id, value: schemas/rates.py's encoding)
--- ARGV: 1 worker id, 2-4 compute / host-load / L3-load tokens the decision predicted,
---       5 the first token's seconds, 6-8 the prior's tokens/s of each kind,
---       9 forgetting, 10 outlier errors, 11 error memory, 12 warmup, 13 lowest multiplier,
---       14 highest multiplier, 15 max uncertainty, 16 kinds correlated, 17 change after
+-- A library: release.lua is prepended with it and calls learn_rate at a first token's release.
+-- learn_rate(rates_key, worker, work, ttft, a):
+--   rates_key: the model's rates hash (field: worker id, value: schemas/rates.py's encoding);
+--   work: {compute, host-load, L3-load tokens the decision predicted}; ttft: the first
+--   token's seconds; a: router/rates.py `fit_arguments`: 1-3 the prior's tokens/s of each
+--   kind, 4 forgetting, 5 outlier errors, 6 error memory, 7 warmup, 8 lowest multiplier,
+--   9 highest multiplier, 10 max uncertainty, 11 kinds correlated, 12 change after.
 -- Returns the worker's fit after the sample, encoded (unchanged when the sample says nothing).
-local worker = ARGV[1]
-local work = {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
-local ttft = tonumber(ARGV[5])
-local forgetting, outliers, memory_w = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
-local warmup, low, high = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
-local max_uncertainty, rho, change_after = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
-
-local held = redis.call('HGET', KEYS[1], worker)
-local f = {}
-if held then
-  for part in string.gmatch(held, '%S+') do f[#f + 1] = tonumber(part) end
-else  -- the first fit: the prior's rates, unsure by one, the kinds correlated by rho
-  f = {1.0, 1.0, 1.0, 1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0, 0.0, 0, 0}
-end
-local function encode(v)
+local function encode_fit(v)
   local out = {}
   for i = 1, 13 do out[i] = string.format('%.17g', v[i]) end
   out[14] = string.format('%d', v[14])
@@ -29,54 +17,68 @@ local function encode(v)
   return table.concat(out, ' ')
 end
 
-local nominal = {work[1] * (1 / tonumber(ARGV[6])), work[2] * (1 / tonumber(ARGV[7])),
-                 work[3] * (1 / tonumber(ARGV[8]))}
--- (ttft > 0 is false for NaN too: a time that is not positive says nothing)
-if not (ttft > 0) or not (nominal[1] > 0 or nominal[2] > 0 or nominal[3] > 0) then
-  return held or encode(f)
-end
-local theta = {f[1], f[2], f[3]}
-local p = {f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]}
-local err_s, samples, streak_was = f[13], f[14], f[15]
--- relative to the prediction: every request teaches as much, whatever its size
-local predicted = ((0 + theta[1] * nominal[1]) + theta[2] * nominal[2]) + theta[3] * nominal[3]
-local x = {nominal[1] / predicted, nominal[2] / predicted, nominal[3] / predicted}
-local err = ttft / predicted - 1.0
-local streak = 0
-if samples >= warmup and err_s > 0 then
-  local bound = outliers * err_s
-  if math.abs(err) > bound then
-    -- beyond the bound again, the same way: a run of them is a change, not an outlier
-    if err * streak_was > 0 then streak = streak_was + 1 elseif err > 0 then streak = 1 else streak = -1 end
-    if math.abs(streak) < change_after then
-      err = math.min(math.max(err, -bound), bound)
-    elseif math.abs(streak) == change_after then  -- the worker changed: as unsure as at the start
-      p = {1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0}
+local function learn_rate(rates_key, worker, work, ttft, a)
+  local forgetting, outliers, memory_w = tonumber(a[4]), tonumber(a[5]), tonumber(a[6])
+  local warmup, low, high = tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
+  local max_uncertainty, rho, change_after = tonumber(a[10]), tonumber(a[11]), tonumber(a[12])
+
+  local held = redis.call('HGET', rates_key, worker)
+  local f = {}
+  if held then
+    for part in string.gmatch(held, '%S+') do f[#f + 1] = tonumber(part) end
+  else  -- the first fit: the prior's rates, unsure by one, the kinds correlated by rho
+    f = {1.0, 1.0, 1.0, 1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0, 0.0, 0, 0}
+  end
+
+  local nominal = {work[1] * (1 / tonumber(a[1])), work[2] * (1 / tonumber(a[2])),
+                   work[3] * (1 / tonumber(a[3]))}
+  -- (ttft > 0 is false for NaN too: a time that is not positive says nothing)
+  if not (ttft > 0) or not (nominal[1] > 0 or nominal[2] > 0 or nominal[3] > 0) then
+    return held or encode_fit(f)
+  end
+  local theta = {f[1], f[2], f[3]}
+  local p = {f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]}
+  local err_s, samples, streak_was = f[13], f[14], f[15]
+  -- relative to the prediction: every request teaches as much, whatever its size
+  local predicted = ((0 + theta[1] * nominal[1]) + theta[2] * nominal[2]) + theta[3] * nominal[3]
+  local x = {nominal[1] / predicted, nominal[2] / predicted, nominal[3] / predicted}
+  local err = ttft / predicted - 1.0
+  local streak = 0
+  if samples >= warmup and err_s > 0 then
+    local bound = outliers * err_s
+    if math.abs(err) > bound then
+      -- beyond the bound again, the same way: a run of them is a change, not an outlier
+      if err * streak_was > 0 then streak = streak_was + 1 elseif err > 0 then streak = 1 else streak = -1 end
+      if math.abs(streak) < change_after then
+        err = math.min(math.max(err, -bound), bound)
+      elseif math.abs(streak) == change_after then  -- the worker changed: as unsure as at the start
+        p = {1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0}
+      end
     end
   end
-end
-local px = {}
-for i = 0, 2 do
-  px[i + 1] = (p[3 * i + 1] * x[1] + p[3 * i + 2] * x[2]) + p[3 * i + 3] * x[3]
-end
-local denominator = ((forgetting + x[1] * px[1]) + x[2] * px[2]) + x[3] * px[3]
-local gain = {px[1] / denominator, px[2] / denominator, px[3] / denominator}
-local out = {}
-for i = 1, 3 do out[i] = math.min(math.max(theta[i] + gain[i] * err, low), high) end
-for i = 0, 2 do
-  for j = 0, 2 do
-    out[4 + 3 * i + j] = (p[3 * i + j + 1] - gain[i + 1] * px[j + 1]) / forgetting
+  local px = {}
+  for i = 0, 2 do
+    px[i + 1] = (p[3 * i + 1] * x[1] + p[3 * i + 2] * x[2]) + p[3 * i + 3] * x[3]
   end
+  local denominator = ((forgetting + x[1] * px[1]) + x[2] * px[2]) + x[3] * px[3]
+  local gain = {px[1] / denominator, px[2] / denominator, px[3] / denominator}
+  local out = {}
+  for i = 1, 3 do out[i] = math.min(math.max(theta[i] + gain[i] * err, low), high) end
+  for i = 0, 2 do
+    for j = 0, 2 do
+      out[4 + 3 * i + j] = (p[3 * i + j + 1] - gain[i + 1] * px[j + 1]) / forgetting
+    end
+  end
+  local trace = (out[4] + out[8]) + out[12]
+  if trace > max_uncertainty then
+    for k = 4, 12 do out[k] = out[k] * max_uncertainty / trace end
+  end
+  local memory = memory_w
+  if samples == 0 then memory = 1.0 end
+  out[13] = (1 - memory) * err_s + memory * math.abs(err)
+  out[14] = samples + 1
+  out[15] = streak
+  local encoded = encode_fit(out)
+  redis.call('HSET', rates_key, worker, encoded)
+  return encoded
 end
-local trace = (out[4] + out[8]) + out[12]
-if trace > max_uncertainty then
-  for k = 4, 12 do out[k] = out[k] * max_uncertainty / trace end
-end
-local memory = memory_w
-if samples == 0 then memory = 1.0 end
-out[13] = (1 - memory) * err_s + memory * math.abs(err)
-out[14] = samples + 1
-out[15] = streak
-local encoded = encode(out)
-redis.call('HSET', KEYS[1], worker, encoded)
-return encoded

@@ -101,6 +101,15 @@ class RouterMetrics:
                                      "but missing what the engine held before)", ["model"],
                                      multiprocess_mode="livemax", registry=r)
 
+        self.worker_rate = Gauge("router_worker_rate",
+                                 "Each worker's learned rate per kind of work (compute, host_load, l3_load): a "
+                                 "multiplier on the prior's seconds per token (2 = twice as slow), learned from "
+                                 "its first tokens", ["model", "worker", "kind"], multiprocess_mode="livemax",
+                                 registry=r)
+        self.worker_rate_samples = Gauge("router_worker_rate_samples",
+                                         "First tokens each worker's learned rates were fitted on",
+                                         ["model", "worker"], multiprocess_mode="livemax", registry=r)
+
     def _add_index_metrics(self, r: CollectorRegistry) -> None:
         """This replica's in-memory index of the workers' pages, and their hashes' checks."""
         self.worker_hash_mismatch = Gauge(

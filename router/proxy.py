@@ -35,6 +35,7 @@ from kvtier.schemas.openai import (
 from kvtier.schemas.routing import GenerateRequest, ReleaseStage, RouteRequest, RouteResponse, SessionId
 from kvtier.schemas.subjects import name_of_token
 
+from . import rates
 from .admission import AdmissionQueue
 from .core import Outcome, Router, RoutingError
 from .refusals import OPENAI_PATHS, Refused, check_budget, check_tokens, decode_body, error_response, json_encoder
@@ -97,9 +98,10 @@ class Proxy:
             if (cache := tokenizer.piece_cache) is not None:
                 self.metrics.tokenizer_cache_bytes.labels(model).set(cache.bytes)
 
-    async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage) -> None:
+    async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage,
+                               ttft_ms: float | None = None) -> None:
         try:
-            await self.router.release(model, request_id, stage)
+            await self.router.release(model, request_id, stage, ttft_ms)
             self.queue.notify()
         except Exception as exc:  # noqa: BLE001 - a lost release only delays expiry
             log.warning("could not release %s (%s) of request %s: %s", stage.value, model, request_id, exc)
@@ -351,9 +353,15 @@ class Proxy:
         streamed = upstream.content_type == "text/event-stream"
         ok = upstream.status == 200
         if ok:
-            if streamed:  # a whole answer's first byte is its last: not a first token
-                self.metrics.ttft.labels(*labels).observe(time.perf_counter() - received)
-            asyncio.ensure_future(self._release_quietly(model, decision.request_id, ReleaseStage.FIRST_TOKEN))
+            # The worker's own first-token time (from sending it the request) teaches its rates;
+            # a whole answer's first byte is its last, not a first token, and teaches nothing.
+            first_token_ms = rates.NOT_A_SAMPLE_MS
+            if streamed:
+                now = time.perf_counter()
+                self.metrics.ttft.labels(*labels).observe(now - received)
+                first_token_ms = max((now - received - router_s) * 1000, 0.001)
+            asyncio.ensure_future(self._release_quietly(model, decision.request_id, ReleaseStage.FIRST_TOKEN,
+                                                        first_token_ms))
         await response.prepare(request)
         chunk = first
         try:

@@ -28,14 +28,14 @@ factor is 1 and the decisions are the formula's, whatever the prior.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from kvtier.router import scoring
 from kvtier.schemas.rates import RateFit, RatePrior
-from kvtier.schemas.routing import ScoringWeights
+from kvtier.schemas.routing import ScoringWeights, TierOverlap
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,26 @@ class FitSettings:
         return RateFit(covariance=(1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0))
 
 
+#: The rates every router learns with (kvtier's defaults; the fit learns each worker's
+#: multipliers on them, so the prior only sets where a new worker starts).
+RATE_PRIOR = RatePrior()
+FIT_SETTINGS = FitSettings()
+
+
+#: A first token's time that teaches nothing (release.lua's fit ignores a time that is not
+#: positive): the proxy's release of an answer that was not streamed, whose first byte is its last.
+NOT_A_SAMPLE_MS = 0.0
+
+
+def fit_arguments(prior: RatePrior, settings: FitSettings) -> list[str]:
+    """The prior and the fit's settings as learn_rates.lua's `learn_rate` takes them (each
+    float written to read back exactly)."""
+    return [repr(prior.compute_tokens_per_s), repr(prior.host_load_tokens_per_s), repr(prior.l3_load_tokens_per_s),
+            repr(settings.forgetting), repr(settings.outlier_errors), repr(settings.error_memory),
+            str(settings.warmup), repr(settings.bounds[0]), repr(settings.bounds[1]), repr(settings.max_uncertainty),
+            repr(settings.kinds_correlated), str(settings.change_after)]
+
+
 @dataclass(frozen=True)
 class Work:
     """What a decision predicted its first token waits for, in tokens."""
@@ -76,6 +96,19 @@ class Work:
         """Each kind's seconds at the prior's rates (the fit's regressors)."""
         p, h, l3 = prior.seconds_per_token()
         return (self.compute_tokens * p, self.host_tokens * h, self.l3_tokens * l3)
+
+
+def predicted_work(n_tokens: int, overlap: TierOverlap, prefill_load: int, page_size: int) -> Work:
+    """The work a decision predicts its first token waits for on the worker it chose: the
+    request's tokens past its device, predicted, host and pool pages (recomputed), plus the
+    prefill booked ahead of it (`prefill_load` pages), host pages to load back, pool pages to
+    fetch."""
+    cached = overlap.device + overlap.predicted
+    host = overlap.host
+    pool = max(overlap.shared_beyond - host, 0)
+    recompute = max(n_tokens - (cached + host + pool) * page_size, 0)
+    return Work(compute_tokens=recompute + prefill_load * page_size, host_tokens=host * page_size,
+                l3_tokens=pool * page_size)
 
 
 def predict_s(fit: RateFit, prior: RatePrior, work: Work) -> float:
@@ -177,3 +210,32 @@ def priced_logits(request_pages: int, candidates: Sequence[scoring.CandidateInpu
     """The formula (router/scoring.py) for each candidate at its own priced weights."""
     return [scoring.score_terms(request_pages, c, priced_weights(weights, p)).logit
             for c, p in zip(candidates, pricing)]
+
+
+def priced_score(request_pages: int, candidates: Sequence[scoring.CandidateInputs], weights: ScoringWeights,
+                 pricing: Mapping[str, Pricing] | None, u: float) -> scoring.Scored:
+    """router/scoring.py's `score` on the logits priced by worker (None: the formula's)."""
+    if pricing is None:
+        return scoring.score(request_pages, candidates, weights, u)
+    values = priced_logits(request_pages, candidates, weights, [pricing[c.worker_id] for c in candidates])
+    return scoring.Scored(scoring.choose(values, weights.temperature, u), values)
+
+
+def pricing_by_worker(fits: Mapping[str, RateFit], workers: Sequence[str]) -> dict[str, Pricing]:
+    """Each of `workers` priced against the median of those that have a fit (a worker with
+    none yet is priced as the typical one)."""
+    return dict(zip(workers, relative_pricing([fits.get(w) for w in workers])))
+
+
+def priced_columns(ids: Sequence[str], overlaps: Mapping[str, TierOverlap], weights: ScoringWeights,
+                   pricing: Mapping[str, Pricing]) -> tuple[list[float], list[float]]:
+    """Each candidate's cache credit and prefill_load_scale at its pricing: what the lean
+    choice (router/scoring.py `logits_scaled`) and select_and_book.lua take, equal to
+    `priced_logits` term by term."""
+    credits, scales = [], []
+    typical = Pricing()
+    for worker in ids:
+        priced = priced_weights(weights, pricing.get(worker, typical))
+        credits.append(scoring.cache_credit(overlaps[worker], priced))
+        scales.append(priced.prefill_load_scale)
+    return credits, scales

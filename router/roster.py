@@ -13,7 +13,9 @@ Redis holds, so no decision rests on a stale copy:
 
 The loads are kept current by this replica's own bookings and releases (each answer carries
 the version after it: one step past the copy's, the copy applies it; any other, another
-replica wrote in between and the next booking's answer brings the loads)."""
+replica wrote in between and the next booking's answer brings the loads). Each worker's
+learned rates (schemas/rates.py) are part of the loads: release.lua writes them in the call
+that bumps the load version, so a copy at the version Redis holds has its rates too."""
 
 from __future__ import annotations
 
@@ -22,11 +24,30 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.plumbing.lua_scripts import load_lua
+from kvtier.schemas.rates import RateFit, decode_fit
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
 #: The longest a copy is used before it is read again whatever it holds (seconds): bounds how
 #: late a change no check sees (a page size) reaches decisions.
 ROSTER_MAX_AGE_S = 1.0
+
+
+def _pairs(flat_or_map):
+    if isinstance(flat_or_map, dict):
+        return flat_or_map.items()
+    return ((flat_or_map[i], flat_or_map[i + 1]) for i in range(0, len(flat_or_map), 2))
+
+
+def fits_of(flat_or_map) -> dict[str, RateFit]:
+    """The rates hash as HGETALL gives it; a field that is not a fit is left out (the worker
+    is priced as the typical one)."""
+    fits = {}
+    for worker, text in _pairs(flat_or_map):
+        try:
+            fits[as_text(worker)] = decode_fit(text)
+        except ValueError:
+            continue
+    return fits
 
 
 def _int_map(flat_or_map) -> dict[str, int]:
@@ -52,6 +73,8 @@ class Roster:
     load_version: int | None  # None: the loads are not known at any version
     prefill: dict[str, int] = field(default_factory=dict)
     decode: dict[str, int] = field(default_factory=dict)
+    #: Each worker's learned rates at the load version (none yet: not in it)
+    rates: dict[str, RateFit] = field(default_factory=dict)
     #: The live workers not stale, sorted (the order candidates are scored in), and by page size.
     candidates: list[str] = field(default_factory=list)
     by_size: dict[int, list[str]] = field(default_factory=dict)
@@ -66,16 +89,22 @@ class Roster:
         (so while a copy is not due, every lease it holds is live)."""
         return now - self.read_at >= max_age_s or now_ms >= self.next_expiry_ms
 
-    def set_loads(self, version: int, prefill, decode) -> None:
+    def set_loads(self, version: int, prefill, decode, rates=None) -> None:
+        """The loads (and, when given, the rates) Redis holds at `version`."""
         self.load_version = version
         self.prefill, self.decode = _int_map(prefill), _int_map(decode)
+        if rates is not None:
+            self.rates = fits_of(rates)
 
-    def add(self, worker: str, prefill: int, decode: int, version_after: int) -> None:
-        """Apply this replica's own load write, whose answer says the version after it."""
+    def add(self, worker: str, prefill: int, decode: int, version_after: int, fit: RateFit | None = None) -> None:
+        """Apply this replica's own load write (and the fit its release taught), whose answer
+        says the version after it."""
         if self.load_version is None or version_after != self.load_version + 1:
             self.load_version = None  # another write came in between: unknown until re-read
             return
         self.load_version = version_after
+        if fit is not None:
+            self.rates[worker] = fit
         for loads, delta in ((self.prefill, prefill), (self.decode, decode)):
             left = loads.get(worker, 0) + delta
             if left > 0:
@@ -107,9 +136,10 @@ class ModelRoster:
         version read with them."""
         keys = self.keys
         started = time.monotonic()
-        leases, stale, sizes, (ready, rebuilding, marker_id), change, version, prefill, decode = await self._script(
-            keys=[keys.leases, keys.stale_workers, keys.page_sizes, keys.incarnation, keys.changes_counter,
-                  keys.load_version, keys.prefill_load, keys.decode_load])
+        leases, stale, sizes, (ready, rebuilding, marker_id), change, version, prefill, decode, rates = (
+            await self._script(keys=[keys.leases, keys.stale_workers, keys.page_sizes, keys.incarnation,
+                                     keys.changes_counter, keys.load_version, keys.prefill_load, keys.decode_load,
+                                     keys.rates]))
         size_of = _int_map(sizes)
         live = {}
         for i in range(0, len(leases), 2):
@@ -121,7 +151,7 @@ class ModelRoster:
             marker_id=as_text(marker_id), ready=as_text(ready) == "1", rebuilding=as_text(rebuilding) == "1",
             change=int(change or 0), next_expiry_ms=min((expiry for _, expiry in live.values()), default=1 << 62),
             load_version=None)
-        roster.set_loads(int(version or 0), prefill, decode)
+        roster.set_loads(int(version or 0), prefill, decode, rates)
         self.roster = roster
         return roster
 

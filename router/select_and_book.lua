@@ -17,7 +17,11 @@
 --       15 the request's page keys (16 hex digits each) to predict on the chosen worker, or ""
 --       for no prediction; 16 each worker's device overlap (comma-separated): the chosen
 --       worker's pages past it are predicted there (one more booking holding each) until the
---       booking completes or expires
+--       booking completes or expires; 17 each worker's prefill_load_scale (comma-separated:
+--       the formula priced at its rates, router/rates.py), or "" for ARGV 7 for every worker;
+--       18 each worker's predicted work ("recompute host-load L3-load page-size", comma-
+--       separated): the chosen one's, with its booked prefill ahead added to the compute, is
+--       kept in the booking for release.lua to learn from ("": none)
 -- Returns {chosen index (1-based) | -1 when the request id is already booked,
 --          worker prefill loads..., worker decode loads...} (loads as read before booking).
 local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -37,11 +41,13 @@ for d in string.gmatch(ARGV[13], '[^,]+') do devices[#devices + 1] = tonumber(d)
 local prefill = redis.call('HMGET', LOAD.prefill, unpack(workers))
 local decode = redis.call('HMGET', LOAD.decode, unpack(workers))
 
+local scales = {}
+for x in string.gmatch(ARGV[17] or '', '[^,]+') do scales[#scales + 1] = tonumber(x) end
 local logits, low, high = {}, math.huge, -math.huge
 for k = 1, #workers do
   prefill[k], decode[k] = tonumber(prefill[k]) or 0, tonumber(decode[k]) or 0
   local adjusted = math.max((request_pages + prefill[k]) - credits[k], 0)
-  logits[k] = scale * adjusted + decode[k]
+  logits[k] = (scales[k] or scale) * adjusted + decode[k]
   if logits[k] < low then low = logits[k] end
   if logits[k] > high then high = logits[k] end
 end
@@ -80,6 +86,17 @@ if book then
   add_load(LOAD.decode, worker, decode_pages)
   loads_changed()
   redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
+  local k = 0
+  for work in string.gmatch(ARGV[18] or '', '[^,]+') do
+    k = k + 1
+    if k == chosen then
+      local w = {}
+      for part in string.gmatch(work, '%S+') do w[#w + 1] = tonumber(part) end
+      redis.call('HSET', bk, 'work', string.format('%.17g %.17g %.17g', w[1] + prefill[chosen] * w[4], w[2], w[3]),
+                 'at', now)
+      break
+    end
+  end
   local blob = ARGV[15] or ''
   if blob ~= '' then
     local k = 0

@@ -1,7 +1,7 @@
 """`kvtier router`: the HTTP edge of a stateless router replica.
 
   POST /v1/route      {"model", "token_ids", "request_id"?, "overrides"?, "max_new_tokens"?, "book"?}
-  POST /v1/release    {"model", "request_id", "stage": "first_token" | "complete"}
+  POST /v1/release    {"model", "request_id", "stage": "first_token" | "complete", "ttft_ms"?}
   POST /generate      (--proxy) SGLang's native API with input_ids: routed, forwarded, streamed back
   POST /v1/completions, /v1/chat/completions, GET /v1/models
                       (--proxy) the OpenAI-compatible API: text is tokenized here with the model's
@@ -273,7 +273,7 @@ class RouterService:
         body = decode_body(await request.read(), ReleaseRequest)
         self._check_client_id(body.request_id)
         try:
-            released = await self.router.release(body.model, body.request_id, body.stage)
+            released = await self.router.release(body.model, body.request_id, body.stage, body.ttft_ms)
             self.queue.notify()
         except Exception as exc:  # noqa: BLE001 - the store is down: the booking expires by itself
             return error_response(503, f"state store unavailable ({type(exc).__name__}: {exc}); the booking "
@@ -293,10 +293,10 @@ class RouterService:
             await asyncio.wait_for(router.redis.ping(), 0.5)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             state_ok, state_error = False, f"{type(exc).__name__}: {exc}"
-        mismatches = router.hash_mismatches
+        mismatches = router.checks.hash_mismatches
         if state_ok and time.monotonic() - self._hash_checks_read >= _STORE_HEALTH_S:
             try:
-                mismatches = await asyncio.wait_for(router.refresh_hash_mismatches(), 0.5)
+                mismatches = await asyncio.wait_for(router.checks.refresh(), 0.5)
                 self._engine_queues = await asyncio.wait_for(read_engine_queues(router.redis, time.time() * 1000), 0.5)
                 self._hash_checks_read = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - health reports, it does not fail
@@ -323,8 +323,10 @@ class RouterService:
             shared_pool=shared,
             hash_scheme=hash_scheme,
             partial_workers=[PartialWorker(model=model, worker_id=w)
-                             for model, workers in router.partial_workers.items() for w in workers],
+                             for model, workers in router.checks.partial_workers.items() for w in workers],
             engine_queues=self._engine_queues,
+            pricing="learned-rates" if router.settings.priced else "formula",
+            worker_rates=router.checks.worker_rates,
             page_size=router.settings.router_page_size,
             decision_log=DecisionLogHealth(enabled=decision_log is not None,
                                            connected=bool(decision_log is not None and decision_log.connected)),

@@ -18,6 +18,8 @@ class RouterMode(Choice):
 
     KV = "kv"  # tier-aware scoring
     LOAD = "load"  # booked load only (every cache weight 0)
+    #: tier-aware scoring priced at each worker's learned rates (router/rates.py)
+    PREDICTED_TTFT = "predicted-ttft"
     ROUND_ROBIN = "round-robin"  # baselines for A/B tests; they still score and book
     RANDOM = "random"
 
@@ -52,6 +54,10 @@ class RouterSettings:
     #: baseline for A/B tests, "round-robin" (one turn counter shared by every replica) or
     #: "random". Baselines still score (the answer shows what the formula would say) and book.
     selection: str = "score"
+    #: Price the formula at each worker's learned rates (--router-mode predicted-ttft): a
+    #: worker's prefill work weighs its compute rate over the typical worker's, its host and
+    #: pool credits its loads' (router/rates.py). Every score mode learns the rates.
+    priced: bool = False
     #: Book each request's pages as predicted device pages on its worker until it completes
     #: (--predicted-pages), credited at `predicted_page_weight`.
     predicted_pages: bool = False

@@ -16,7 +16,8 @@ import msgspec
 from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.events import ENGINE_QUEUE_FIELDS, engine_queue_from_fields
 from kvtier.schemas.health import HashCheck, decode_hash_check
-from kvtier.schemas.router_health import EngineQueueHealth
+from kvtier.schemas.rates import decode_fit
+from kvtier.schemas.router_health import EngineQueueHealth, WorkerRatesHealth
 from kvtier.schemas.routing import TierOverlap
 from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.worker import WorkerMetadata, decode_worker_metadata
@@ -219,6 +220,28 @@ async def read_engine_queues(client, now_ms: float) -> list[EngineQueueHealth]:
     return [EngineQueueHealth(model=token, worker_id=worker, waiting=queue.waiting, running=queue.running,
                               read_ago_s=round(now_ms / 1000 - queue.read_ts, 1))
             for (token, worker), queue in queues if queue is not None]
+
+
+async def read_worker_rates(client) -> list[WorkerRatesHealth]:
+    """Every worker's learned rates (`kvt:{model}:rates`), across all models; an unreadable
+    fit is left out (and priced as the typical worker's)."""
+    tokens = sorted(as_text(m) for m in await client.smembers(MODELS_KEY))
+    pipe = client.pipeline(transaction=False)
+    for token in tokens:
+        pipe.hgetall(ModelKeys(token).rates)
+    found = []
+    for token, held in zip(tokens, await pipe.execute()):
+        for worker, text in sorted(held.items()):
+            try:
+                fit = decode_fit(text)
+            except ValueError:
+                log.warning("unreadable rates for %s/%s", token, as_text(worker))
+                continue
+            compute, host, l3 = fit.multipliers
+            found.append(WorkerRatesHealth(model=token, worker_id=as_text(worker), compute=round(compute, 4),
+                                           host_load=round(host, 4), l3_load=round(l3, 4), samples=fit.samples,
+                                           relative_error=round(fit.relative_error, 4)))
+    return found
 
 
 async def read_hash_mismatches(client) -> list[tuple[str, HashCheck]]:

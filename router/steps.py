@@ -219,11 +219,13 @@ def lean_credits(ids: Iterable[str], overlaps: Mapping[str, TierOverlap], weight
 
 def choose_on_copy(ids: Sequence[str], pool: Sequence[int], n_pages: int, credits: Sequence[float],
                    prefill: Sequence[int], decode: Sequence[int], weights: ScoringWeights, u: float,
-                   kept: str | None) -> tuple[int, int, list[float]]:
+                   kept: str | None, scales: Sequence[float] | None = None) -> tuple[int, int, list[float]]:
     """(the index proposed, the index the formula chose, every candidate's logit): the
     formula's choice among `pool` (the indexes under the busy thresholds), or the session's
-    worker `kept` when it is in the pool (None: no worker to keep)."""
-    values = scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale)
+    worker `kept` when it is in the pool (None: no worker to keep). `scales`: each
+    candidate's prefill_load_scale (the formula priced at its rates; None: the weights')."""
+    values = (scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale) if scales is None
+              else scoring.logits_scaled(n_pages, credits, prefill, decode, scales))
     formula = pool[scoring.choose([values[i] for i in pool], weights.temperature, u)]
     chosen = ids.index(kept) if kept is not None and in_pool(kept, ids, pool) else formula
     return chosen, formula, values

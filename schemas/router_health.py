@@ -159,6 +159,20 @@ class EngineQueueHealth(msgspec.Struct, frozen=True, kw_only=True):
     read_ago_s: float
 
 
+class WorkerRatesHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's rates as the routers learned them from its first tokens (schemas/rates.py):
+    multipliers on the prior's seconds per token (2.0: twice as slow), per kind of work."""
+
+    model: str
+    worker_id: str
+    compute: float
+    host_load: float
+    l3_load: float
+    samples: int
+    #: The fit's running mean error relative to its predictions (0.1: first tokens 10% off).
+    relative_error: float
+
+
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: "ok", "draining" (SIGTERM: refusing new requests), or "degraded" when the state store,
     #: the shared pool, a worker's hashes or the
@@ -173,6 +187,10 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     partial_workers: list[PartialWorker] = []
     #: Workers whose bridge reads their engine's queue (SGLang's /metrics); [] where none does.
     engine_queues: list[EngineQueueHealth] = []
+    #: How decisions are priced: "formula", or "learned-rates" (--router-mode predicted-ttft).
+    pricing: str = ""
+    #: Each worker's learned rates (every scoring router learns them; predicted-ttft prices by them).
+    worker_rates: list[WorkerRatesHealth] = []
     #: The router's --page-size; None: it hashes at each worker's announced size; UNSET: a
     #: router too old to report it.
     page_size: int | None | msgspec.UnsetType = msgspec.UNSET

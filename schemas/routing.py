@@ -178,6 +178,9 @@ class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     request_id: RequestId
     stage: ReleaseStage = ReleaseStage.COMPLETE
+    #: At first token: how long the first token took as the client measured it, in ms (None:
+    #: the router takes the time since its booking). It teaches the worker's rates.
+    ttft_ms: Annotated[float, msgspec.Meta(gt=0.0, le=86_400_000.0)] | None = None
 
 
 class ReleaseResponse(msgspec.Struct, frozen=True, kw_only=True):

@@ -61,6 +61,7 @@ class _Release:
     seq: int
     request_id: str = field(compare=False)
     stage: str = field(compare=False)
+    ttft_ms: float | None = field(compare=False, default=None)  # a first token's, as the client measured it
 
 
 class PipelinePolicy:
@@ -191,19 +192,27 @@ class PipelinePolicy:
 
     # --- one decision ----------------------------------------------------------------------
     async def _release_due(self, now: float) -> None:
+        """Every release due by `now`. First tokens that teach the workers' rates go one at a
+        time in their order (a worker's fit depends on the order of its samples), before the
+        rest; the rest together, a completion standing for its first token too."""
         due: dict[str, str] = {}
+        teaching: list[_Release] = []
         while self._releases and self._releases[0].at <= now:
             r = heapq.heappop(self._releases)
-            if due.get(r.request_id) != "complete":  # completion gives back everything, first token included
+            if r.ttft_ms is not None:
+                teaching.append(r)
+            elif due.get(r.request_id) != "complete":  # completion gives back everything, first token included
                 due[r.request_id] = r.stage
+        for r in teaching:
+            await self._release(r.request_id, r.stage, r.ttft_ms)
         if due:
-            statuses = await asyncio.gather(*(clients.release(self.session, self.routers[0], self.model, request_id,
-                                                              ReleaseStage(stage))
-                                              for request_id, stage in due.items()))
-            for (request_id, stage), status in zip(due.items(), statuses):
-                if status != 200:
-                    raise RuntimeError(f"{self.name}: {self.routers[0]}/v1/release of {request_id} ({stage}) "
-                                       f"answered {status}")
+            await asyncio.gather(*(self._release(request_id, stage) for request_id, stage in due.items()))
+
+    async def _release(self, request_id: str, stage: str, ttft_ms: float | None = None) -> None:
+        status = await clients.release(self.session, self.routers[0], self.model, request_id, ReleaseStage(stage),
+                                       ttft_ms)
+        if status != 200:
+            raise RuntimeError(f"{self.name}: {self.routers[0]}/v1/release of {request_id} ({stage}) answered {status}")
 
     async def _publish_and_catch_up(self, cluster: SimCluster, now: float) -> None:
         for rank, publisher in enumerate(self.publishers):
@@ -242,7 +251,10 @@ class PipelinePolicy:
 
     def served(self, request: PreparedRequest, decision: Decision, result, now: float) -> None:
         request_id = f"req-{request.index}"
-        heapq.heappush(self._releases, _Release(now + result.ttft_s, next(self._seq), request_id, "first_token"))
+        # the client's TTFT, simulated (the time since booking, which a router takes by default,
+        # is wall time and means nothing here): every router learns rates from it
+        heapq.heappush(self._releases, _Release(now + result.ttft_s, next(self._seq), request_id, "first_token",
+                                                result.ttft_s * 1000))
         heapq.heappush(self._releases, _Release(result.complete_at, next(self._seq), request_id, "complete"))
 
 

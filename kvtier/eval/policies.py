@@ -26,7 +26,7 @@ from typing import Protocol
 
 from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
-from kvtier.router.rates import FitSettings, Work, observe, priced_logits, relative_pricing
+from kvtier.router.rates import FitSettings, Work, observe, predicted_work, priced_logits, relative_pricing
 from kvtier.router.walk import walk as tier_walk
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
 from kvtier.schemas.rates import RateFit, RatePrior
@@ -39,8 +39,8 @@ from kvtier.sim.sim_cluster import RankTruth, SimCluster
 #: The policies a replay can run (`--policies`), and among them kvtier's own (the router's).
 POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle",
             "ttft_oracle")
-#: Policies a replay runs when asked by name (`--policies`): the router model priced at learned
-#: worker rates, in process only so far (the routers do not learn rates yet).
+#: Policies a replay runs when asked by name (`--policies`): kvtier's formula priced at learned
+#: worker rates (`--router-mode predicted-ttft`; through the pipeline or in process).
 NAMED_POLICIES = ("predicted_ttft",)
 #: The policies that decide on the simulator's ground truth (no router could run them).
 ORACLES = ("oracle", "ttft_oracle")
@@ -205,6 +205,9 @@ class _Release:
     prefill: int = field(compare=False)
     decode: int = field(compare=False)
     predicted: list[BlockHash] = field(compare=False, default_factory=list)
+    #: A first token's release: what the decision predicted, and the first token's time as the
+    #: client reports it (ms), for a policy that learns from releases.
+    learn: tuple[Work, float] | None = field(compare=False, default=None)
 
 
 class RouterModel:
@@ -232,11 +235,14 @@ class RouterModel:
         self.predicted: list[dict[BlockHash, int]] | None = [{} for _ in range(workers)] if predicted else None
         self._releases: list[_Release] = []
         self._seq = 0
-        self._booked: dict[int, tuple[int, int, list[BlockHash]]] = {}  # request -> (rank, prefill, predicted)
+        #: request -> (rank, prefill, predicted pages, the work a learning policy predicted)
+        self._booked: dict[int, tuple[int, int, list[BlockHash], Work | None]] = {}
 
     def _release_due(self, now: float) -> None:
         while self._releases and self._releases[0].at <= now:
             r = heapq.heappop(self._releases)
+            if r.learn is not None:
+                self._first_token(r.rank, *r.learn)
             self.prefill[r.rank] -= r.prefill
             self.decode[r.rank] -= r.decode
             if r.predicted and self.predicted is not None:  # only booked with predicted pages on
@@ -270,7 +276,7 @@ class RouterModel:
         scored = self._score(len(hashes), candidates, u)
         chosen = self.order[scored.chosen]
         seen = candidates[scored.chosen].overlap
-        self._decided(request, chosen, candidates[scored.chosen])
+        work = self._decided(request, chosen, candidates[scored.chosen])
         prefill_pages = max(len(hashes) - seen.device - seen.predicted, 0)
         self.prefill[chosen] += prefill_pages
         self.decode[chosen] += decode_pages(request, self.page_size)
@@ -280,20 +286,26 @@ class RouterModel:
             held = self.predicted[chosen]
             for h in booked:
                 held[h] = held.get(h, 0) + 1
-        self._booked[request.index] = (chosen, prefill_pages, booked)
+        self._booked[request.index] = (chosen, prefill_pages, booked, work)
         return Decision(chosen, seen_of(candidates, self.order, scored.logits))
 
     def _score(self, request_pages: int, candidates: list[scoring.CandidateInputs], u: float) -> scoring.Scored:
         return scoring.score(request_pages, candidates, self.weights, u)
 
-    def _decided(self, request: PreparedRequest, rank: int, seen: scoring.CandidateInputs) -> None:
-        """What a policy that learns from its decisions keeps of one (nothing, here)."""
+    def _decided(self, request: PreparedRequest, rank: int, seen: scoring.CandidateInputs) -> Work | None:
+        """What a policy that learns from its first tokens keeps of a decision (nothing, here)."""
+        return None
+
+    def _first_token(self, rank: int, work: Work, ttft_ms: float) -> None:
+        """A first token's release told a learning policy how long it took (nothing, here)."""
 
     def served(self, request, decision, result, now) -> None:
-        rank, prefill_pages, booked = self._booked.pop(request.index)
+        rank, prefill_pages, booked, work = self._booked.pop(request.index)
         first_token = now + result.ttft_s
         self._seq += 1
-        heapq.heappush(self._releases, _Release(first_token, self._seq, rank, prefill_pages, 0))
+        # the client's TTFT in ms, as a release carries it (the pipeline's driver sends the same)
+        learn = (work, result.ttft_s * 1000) if work is not None else None
+        heapq.heappush(self._releases, _Release(first_token, self._seq, rank, prefill_pages, 0, learn=learn))
         self._seq += 1
         heapq.heappush(self._releases, _Release(result.complete_at, self._seq, rank, 0,
                                                 decode_pages(request, self.page_size), booked))
@@ -312,15 +324,18 @@ class PredictedTtftModel(RouterModel):
         self.prior = prior or RatePrior()
         self.fit_settings = fit or FitSettings()
         self.fits: list[RateFit] = [self.fit_settings.first_fit() for _ in range(self.workers)]
-        self._work: dict[int, Work] = {}
 
     def _score(self, request_pages, candidates, u):
-        pricing = relative_pricing([self.fits[r] for r in self.order])
+        pricing = relative_pricing([self.fits[r] if self.fits[r].samples else None for r in self.order])
         values = priced_logits(request_pages, candidates, self.weights, pricing)
         return scoring.Scored(scoring.choose(values, self.weights.temperature, u), values)
 
-    def _decided(self, request, rank, seen) -> None:
-        self._work[request.index] = predicted_work(request, seen, self.page_size)
+    def _decided(self, request, rank, seen) -> Work:
+        return predicted_work(request.input_tokens, seen.overlap, seen.prefill_load, self.page_size)
+
+    def _first_token(self, rank: int, work: Work, ttft_ms: float) -> None:
+        # seconds as release.lua reads them (ms / 1000), so the pipeline's fit is this one exactly
+        self.fits[rank] = observe(self.fits[rank], self.prior, work, ttft_ms / 1000, self.fit_settings)
 
     def learned(self, cluster: SimCluster, now: float) -> dict:
         """Per rank: samples, the learned compute multiplier and the true one at `now` (the
@@ -329,25 +344,6 @@ class PredictedTtftModel(RouterModel):
                             "true_compute": round(1 / cluster.speed(rank, now), 3),
                             "host_load": round(fit.multipliers[1], 3), "l3_load": round(fit.multipliers[2], 3)}
                 for rank, fit in enumerate(self.fits)}
-
-    def served(self, request, decision, result, now) -> None:
-        work = self._work.pop(request.index)
-        self.fits[decision.rank] = observe(self.fits[decision.rank], self.prior, work, result.ttft_s,
-                                           self.fit_settings)
-        super().served(request, decision, result, now)
-
-
-def predicted_work(request: PreparedRequest, seen: scoring.CandidateInputs, page_size: int) -> Work:
-    """The work a decision predicts its first token waits for on the worker it chose: what the
-    request recomputes (past its device, predicted, host and pool pages) plus the prefill booked
-    ahead, host pages to load back, pool pages to fetch."""
-    overlap = seen.overlap
-    cached = overlap.device + overlap.predicted
-    host = overlap.host
-    pool = max(overlap.shared_beyond - host, 0)
-    recompute = max(request.input_tokens - (cached + host + pool) * page_size, 0)
-    return Work(compute_tokens=recompute + seen.prefill_load * page_size, host_tokens=host * page_size,
-                l3_tokens=pool * page_size)
 
 
 def worker_id(rank: int) -> str:

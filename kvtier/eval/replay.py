@@ -112,14 +112,16 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         return OraclePolicy(settings.weights, shape.l3, seed)
     if name == "ttft_oracle":
         return TtftOraclePolicy()
-    if name == "predicted_ttft":
+    if name == "predicted_ttft" and settings.via == "model":
         return PredictedTtftModel(name, shape.workers, shape.page_size, settings.weights, shape.l3,
                                   settings.visibility_lag_s, seed, predicted=settings.predicted_pages)
     if settings.via == "pipeline":
         from kvtier.eval.pipeline import PipelinePolicy
 
         weights, shared = policy_weights(name, settings.weights)
-        router_args = ["--router-mode", "load"] if name == "least_load" else []
+        shared = shared or (name == "predicted_ttft" and shape.l3)  # as PredictedTtftModel credits the pool
+        router_args = (["--router-mode", "load"] if name == "least_load" else
+                       ["--router-mode", "predicted-ttft"] if name == "predicted_ttft" else [])
         router_args += weight_flags(settings.weights)
         if settings.predicted_pages:
             router_args += ["--predicted-pages", "on"]
@@ -155,7 +157,7 @@ def run_policies(requests: list[PreparedRequest], settings: ReplaySettings, prog
                  log_dir: str | None = None) -> dict[str, dict]:
     """Every policy's summary; the servers (when kvtier policies go through the pipeline) are
     started here and stopped by PID before this returns."""
-    routed = settings.via == "pipeline" and any(p in KVTIER_POLICIES for p in settings.policies)
+    routed = settings.via == "pipeline" and any(p in KVTIER_POLICIES + NAMED_POLICIES for p in settings.policies)
     if not routed:
         results = asyncio.run(replay_policies(requests, settings, None, progress))
     else:
@@ -167,8 +169,7 @@ def run_policies(requests: list[PreparedRequest], settings: ReplaySettings, prog
     summaries = {}
     for name, result in results.items():
         summary = result.summary()
-        summary["via"] = (settings.via if name in KVTIER_POLICIES else "model" if name in NAMED_POLICIES
-                          else "in process")
+        summary["via"] = settings.via if name in KVTIER_POLICIES + NAMED_POLICIES else "in process"
         summaries[name] = summary
     add_gap_closed(summaries)
     return summaries

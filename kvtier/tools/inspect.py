@@ -10,6 +10,7 @@ import redis
 
 from kvtier.plumbing.connections import redis_client
 from kvtier.schemas.events import ENGINE_QUEUE_FIELDS, engine_queue_from_fields
+from kvtier.schemas.rates import RateFit, decode_fit
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.tiers import TIER_PRIORITY
 from kvtier.tools.settings import InspectSettings
@@ -27,7 +28,8 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
             pipe = client.pipeline(transaction=False)
             pipe.hgetall(keys.state(worker_id))
             pipe.zscore(keys.leases, worker_id)
-            state, lease = pipe.execute()
+            pipe.hget(keys.rates, worker_id)
+            state, lease, rates = pipe.execute()
             state = {as_text(k): as_text(v) for k, v in state.items()}
             applied_ms = float(state.get("applied_ms", 0) or 0)
             rows.append({
@@ -44,8 +46,22 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                 "engine_queue": {"waiting": queue.waiting, "running": queue.running,
                                  "read_ago_s": round(now_ms / 1000 - queue.read_ts, 1)}
                 if (queue := engine_queue_from_fields([state.get(f) for f in ENGINE_QUEUE_FIELDS])) else None,
+                # what the routers learned of its speed from its first tokens (null: nothing yet)
+                "rates": _rates_row(rates),
             })
     return rows
+
+
+def _rates_row(text) -> dict | None:
+    if text is None:
+        return None
+    try:
+        fit: RateFit = decode_fit(text)
+    except ValueError:
+        return None
+    compute, host, l3 = fit.multipliers
+    return {"compute": round(compute, 3), "host_load": round(host, 3), "l3_load": round(l3, 3),
+            "samples": fit.samples, "relative_error": round(fit.relative_error, 3)}
 
 
 def run_inspect(settings: InspectSettings) -> int:
@@ -69,6 +85,8 @@ def run_inspect(settings: InspectSettings) -> int:
             status += f", {r['gaps']} gaps"
         if (queue := r["engine_queue"]) is not None:
             status += f", engine {queue['waiting']} waiting / {queue['running']} running"
+        if (rates := r["rates"]) is not None:
+            status += f", rates x{rates['compute']:g} compute ({rates['samples']} first tokens)"
         p = r["pages"]
         print(f"{r['model'][:20]:<20} {r['worker'][:16]:<16} {lease:>6} {p['device']:>8} {p['host']:>8} "
               f"{p['disk']:>7} {p['external']:>5} {r['epoch']:>14} {r['seq']:>7} {ago:>8}  {status}")

@@ -14,6 +14,7 @@ from kvtier.router.rates import (
     FitSettings,
     Pricing,
     Work,
+    fit_arguments,
     observe,
     predict_s,
     priced_logits,
@@ -139,12 +140,16 @@ def test_a_slow_worker_weighs_its_work_and_its_slow_loads_more():
 
 
 # --- learn_rates.lua against observe() ---------------------------------------------------------
+#: learn_rates.lua's function called alone (release.lua calls it at a first token's release).
+LEARN_ONE = """
+return learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}, tonumber(ARGV[5]),
+                  {unpack(ARGV, 6, 17)})
+"""
+
+
 def lua_arguments(worker: str, work: Work, ttft_s: float) -> list:
-    s = SETTINGS
     return [worker, repr(work.compute_tokens), repr(work.host_tokens), repr(work.l3_tokens), repr(ttft_s),
-            repr(PRIOR.compute_tokens_per_s), repr(PRIOR.host_load_tokens_per_s), repr(PRIOR.l3_load_tokens_per_s),
-            repr(s.forgetting), repr(s.outlier_errors), repr(s.error_memory), s.warmup, repr(s.bounds[0]),
-            repr(s.bounds[1]), repr(s.max_uncertainty), repr(s.kinds_correlated), s.change_after]
+            *fit_arguments(PRIOR, SETTINGS)]
 
 
 def test_the_fit_in_redis_is_the_pure_fit(redis_server):
@@ -157,7 +162,7 @@ def test_the_fit_in_redis_is_the_pure_fit(redis_server):
     from kvtier.schemas.state_keys import ModelKeys
 
     client = sync_redis.Redis.from_url(redis_server.url)
-    learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua"))
+    learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_ONE)
     key = ModelKeys.for_model("m").rates
     rng = random.Random(7)
     fits = {w: SETTINGS.first_fit() for w in ("w0", "w1", "w2")}

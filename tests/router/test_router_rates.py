@@ -1,0 +1,111 @@
+"""Worker rates learned by real `kvtier router` replicas against a real Redis-protocol server:
+each booking keeps the work its decision predicted, the first token's release teaches the
+worker's fit (release.lua), every replica reads the same rates (/healthz, metrics, `kvtier
+inspect`), `--router-mode predicted-ttft` prices the formula at them, and a bad first-token
+time is refused with a clear 400."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.router.rates import RATE_PRIOR
+
+from ..helpers import stop_all, wait_until
+from ..router_helpers import RouterProcess, StateSeeder, http, request_tokens
+
+MODEL = "org/rates-model"
+PAGE = 4
+#: The true compute multipliers of the two workers: "slow" takes three times the prior's time.
+TRUTH = {"fast": 1.0, "slow": 3.0}
+
+pytestmark = pytest.mark.slow  # real routers: a second or more
+
+
+def release(router: RouterProcess, request_id: str, stage: str, ttft_ms: float | None = None):
+    body: dict = {"model": MODEL, "request_id": request_id, "stage": stage}
+    if ttft_ms is not None:
+        body["ttft_ms"] = ttft_ms
+    return http("POST", router.url + "/v1/release", body)
+
+
+def rates_of(router: RouterProcess) -> dict[str, dict]:
+    return {r["worker_id"]: r for r in http("GET", router.url + "/healthz")[1]["worker_rates"]}
+
+
+def test_first_tokens_teach_every_replica_the_workers_rates_and_predicted_ttft_prices_them(
+        redis_client, redis_server):
+    tokens = request_tokens(64, PAGE)  # 256 tokens, nothing cached anywhere: all of it is computed
+    seeder = StateSeeder(redis_client, MODEL)
+    for worker in TRUTH:
+        seeder.worker(worker, PAGE)
+    learner = RouterProcess(redis_server.url)
+    priced = RouterProcess(redis_server.url, "--router-mode", "predicted-ttft")
+    try:
+        for i in range(30):
+            # two requests at once: the second goes to the other worker, so both are sampled
+            chosen = {}
+            for name in ("a", "b"):
+                status, body, _ = learner.route(MODEL, tokens, request_id=f"{name}{i}")
+                assert status == 200, body
+                chosen[f"{name}{i}"] = body["worker_id"]
+            assert sorted(chosen.values()) == ["fast", "slow"]
+            for request_id, worker in chosen.items():
+                ttft_ms = len(tokens) / RATE_PRIOR.compute_tokens_per_s * TRUTH[worker] * 1000
+                status, body, _ = release(learner, request_id, "first_token", ttft_ms)
+                assert status == 200, body
+                # a booking teaches once: a second first-token release of it learns nothing
+                assert release(learner, request_id, "first_token", 1.0)[0] == 200
+                assert release(learner, request_id, "complete")[0] == 200
+
+        # both replicas show what the releases taught, whichever replica took them
+        for router in (learner, priced):
+            wait_until(lambda r=router: {w: x["samples"] for w, x in rates_of(r).items()} == {"fast": 30, "slow": 30},
+                       timeout=15, what=lambda r=router: f"rates in {r.url}/healthz: {rates_of(r)}")
+            learned = rates_of(router)
+            for worker, truth in TRUTH.items():
+                assert abs(learned[worker]["compute"] - truth) < 0.10 * truth, learned
+        assert http("GET", priced.url + "/healthz")[1]["pricing"] == "learned-rates"
+        assert http("GET", learner.url + "/healthz")[1]["pricing"] == "formula"
+        metrics = priced.metrics()
+        assert 'router_worker_rate{kind="compute"' in metrics and 'worker="slow"' in metrics
+
+        # fast holds one request like this one: the formula sends the next to the idle slow
+        # worker, the priced formula to fast (its wait for one prefill ahead at a third of the
+        # time beats slow's own prefill)
+        status, body, _ = learner.route(MODEL, tokens, request_id="held")
+        assert body["worker_id"] == "fast", body
+        assert learner.route(MODEL, tokens, book=False)[1]["worker_id"] == "slow"
+        assert priced.route(MODEL, tokens, book=False)[1]["worker_id"] == "fast"
+        release(learner, "held", "complete")
+
+        # a first token with no client time: the router takes the time since its booking
+        status, body, _ = priced.route(MODEL, tokens, request_id="timed")
+        assert status == 200
+        worker = body["worker_id"]
+        assert release(priced, "timed", "first_token")[0] == 200
+        wait_until(lambda: rates_of(priced)[worker]["samples"] == 31, timeout=15,
+                   what=lambda: f"a sample from the booking's time: {rates_of(priced)}")
+
+        inspected = subprocess.run([sys.executable, "-m", "kvtier.cli", "inspect", "--redis", redis_server.url,
+                                    "--model", MODEL, "--json"], capture_output=True, text=True, timeout=60)
+        assert inspected.returncode == 0, inspected.stderr
+        rows = {r["worker"]: r for r in json.loads(inspected.stdout)}
+        assert abs(rows["slow"]["rates"]["compute"] - 3.0) < 0.3 and rows["slow"]["rates"]["samples"] >= 30
+    finally:
+        stop_all(learner, priced)
+
+
+def test_a_bad_first_token_time_gets_a_clear_400(redis_client, redis_server):
+    StateSeeder(redis_client, MODEL).worker("w", PAGE)
+    router = RouterProcess(redis_server.url)
+    try:
+        for ttft, message in ((-5, "$.ttft_ms"), (0, "$.ttft_ms"), ("soon", "$.ttft_ms"), (1e12, "$.ttft_ms")):
+            status, body, _ = release(router, "x", "first_token", ttft)
+            assert status == 400 and message in body["error"], (ttft, status, body)
+        assert release(router, "x", "first_token", 12.5)[0] == 404  # well formed, nothing booked
+    finally:
+        stop_all(router)
