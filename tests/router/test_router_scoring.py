@@ -12,12 +12,13 @@ import redis.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.router import scoring
+from kvtier.router import rates, scoring
 from kvtier.router.booking import LoadBook
 from kvtier.router.hashing import RequestPages
 from kvtier.router.shared_pool import SharedPages
 from kvtier.schemas.hashes import PageDigest, page_key
 from kvtier.schemas.mooncake import mooncake_object_keys
+from kvtier.schemas.rates import RateFit
 from kvtier.schemas.routing import RouteOverrides, ScoringWeights, TierOverlap
 from kvtier.schemas.worker import AttentionKind, MooncakeLayout
 
@@ -161,6 +162,75 @@ def test_selection_in_redis_matches_the_pure_function(redis_server, data):
     assert selection.prefill_loads == [p for _, p, _ in candidates]
     expected = scoring.score(pages, inputs, weights, u)
     assert selection.chosen == expected.chosen, (expected.logits, u)
+
+
+multipliers = st.tuples(st.floats(0.2, 5.0), st.floats(0.2, 5.0), st.floats(0.2, 5.0))
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_priced_selection_in_redis_matches_the_priced_formula(redis_server, data):
+    """--router-mode predicted-ttft's full read: select_and_book.lua with each candidate's priced
+    scale and credit chooses as router/rates.py's priced formula does, and keeps the chosen
+    one's predicted work (its booked prefill ahead added) for its first token to teach."""
+    candidates = data.draw(st.lists(st.tuples(overlaps, st.integers(0, 300), st.integers(0, 300),
+                                              st.one_of(st.none(), multipliers)), min_size=1, max_size=6))
+    weights = data.draw(weight_sets)
+    weights = ScoringWeights(**{**{f: getattr(weights, f) for f in weights.__struct_fields__},
+                                "temperature": data.draw(st.sampled_from([0.0, 0.0, 0.3, 5.0]))})
+    pages, u = data.draw(st.integers(1, 128)), data.draw(st.floats(0, 1, exclude_max=True))
+    ids = [f"w{i}" for i in range(len(candidates))]
+    fits = {w: RateFit(multipliers=m, samples=5) for w, (_, _, _, m) in zip(ids, candidates) if m is not None}
+    pricing = rates.pricing_by_worker(fits, ids)
+    inputs = [scoring.CandidateInputs(w, o, p, d) for w, (o, p, d, _) in zip(ids, candidates)]
+    credits, scales = rates.priced_columns(ids, {c.worker_id: c.overlap for c in inputs}, weights, pricing)
+    n_tokens = pages * 16 - 3
+
+    async def select():
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            await client.flushall()
+            for c in inputs:
+                if c.prefill_load:
+                    await client.hset("kvt:{m}:load:prefill", c.worker_id, c.prefill_load)
+                if c.decode_load:
+                    await client.hset("kvt:{m}:load:decode", c.worker_id, c.decode_load)
+            works = [(rates.predicted_work(n_tokens, c.overlap, 0, 16), 16) for c in inputs]
+            selection = await LoadBook(client).select_and_book(
+                "m", "r", pages, pages, [(c.worker_id, credit, c.overlap.device) for c, credit in zip(inputs, credits)],
+                weights.prefill_load_scale, weights.temperature, u, scales=scales, works=works)
+            return selection, await client.hget("kvt:{m}:bk:r", "work")
+        finally:
+            await client.aclose()
+
+    selection, work = asyncio.run(select())
+    expected = rates.priced_score(pages, inputs, weights, pricing, u)
+    assert selection.chosen == expected.chosen, (expected.logits, scales, u)
+    chosen = inputs[selection.chosen]
+    kept = rates.predicted_work(n_tokens, chosen.overlap, chosen.prefill_load, 16)
+    assert [float(x) for x in work.split()] == [kept.compute_tokens, kept.host_tokens, kept.l3_tokens]
+
+
+def test_the_priced_columns_are_the_priced_formula_and_equal_workers_the_formula():
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randint(1, 6)
+        ids = [f"w{i}" for i in range(n)]
+        inputs = [scoring.CandidateInputs(w, TierOverlap(device=rng.randint(0, 20), host=rng.randint(0, 20),
+                                                         disk=rng.randint(0, 5), shared_beyond=rng.randint(0, 30)),
+                                          rng.randint(0, 50), rng.randint(0, 50)) for w in ids]
+        fits = {w: RateFit(multipliers=(rng.uniform(0.3, 3), rng.uniform(0.3, 3), rng.uniform(0.3, 3)), samples=1)
+                for w in ids if rng.random() < 0.8}
+        pricing = rates.pricing_by_worker(fits, ids)
+        credits, scales = rates.priced_columns(ids, {c.worker_id: c.overlap for c in inputs}, DEFAULTS, pricing)
+        columns = scoring.logits_scaled(40, credits, [c.prefill_load for c in inputs], [c.decode_load for c in inputs],
+                                        scales)
+        assert columns == rates.priced_logits(40, inputs, DEFAULTS, [pricing[w] for w in ids])
+        alike = rates.pricing_by_worker({w: RateFit(multipliers=(2.0, 1.5, 1.0), samples=1) for w in ids}, ids)
+        credits, scales = rates.priced_columns(ids, {c.worker_id: c.overlap for c in inputs}, DEFAULTS, alike)
+        assert scoring.logits_scaled(40, credits, [c.prefill_load for c in inputs], [c.decode_load for c in inputs],
+                                     scales) == scoring.logits(40, inputs, DEFAULTS)
 
 
 def test_booking_is_atomic_with_selection_and_released_by_stage(redis_server):
