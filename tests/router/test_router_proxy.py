@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from kvtier.harness.embedded import free_port
+from kvtier.schemas.rates import decode_fit
 from kvtier.schemas.state_keys import ModelKeys
 
 from ..helpers import stop_all, wait_until
@@ -44,6 +45,11 @@ def loads(client, model: str) -> tuple[dict, dict]:
     return client.hgetall(keys.prefill_load), client.hgetall(keys.decode_load)
 
 
+def taught(client) -> dict[str, int]:
+    """Samples each worker's learned rates were fitted on."""
+    return {w.decode(): decode_fit(v).samples for w, v in client.hgetall(ModelKeys.for_model(MODEL).rates).items()}
+
+
 def test_proxy_streams_and_releases_at_first_token_and_end(redis_client, redis_server, tmp_path):
     hold = str(tmp_path / "go")
     hot, cold = EngineProcess(hold), EngineProcess()
@@ -70,6 +76,8 @@ def test_proxy_streams_and_releases_at_first_token_and_end(redis_client, redis_s
         wait_until(lambda: loads(redis_client, MODEL) == ({}, {}), timeout=10,
                    what=lambda: f"everything released at the end, loads {loads(redis_client, MODEL)}")
         assert hot.seen() == [body] and cold.seen() == []  # forwarded unchanged
+        # the streamed answer's first byte taught the worker's rates, once
+        assert taught(redis_client) == {"hot": 1}
 
         # non-streaming, no rid: routed by load to the idle worker, released at the end
         status, answer, headers = http("POST", router.url + "/generate", {"input_ids": tokens[:8]})
@@ -77,6 +85,7 @@ def test_proxy_streams_and_releases_at_first_token_and_end(redis_client, redis_s
         assert headers["X-Kvtier-Worker"] in ("hot", "cold")
         wait_until(lambda: loads(redis_client, MODEL) == ({}, {}), timeout=10)
         assert 'router_proxy_requests_total{outcome="ok"} 2.0' in router.metrics()
+        assert taught(redis_client) == {"hot": 1}  # a whole answer's first byte is its last: no sample
     finally:
         stop_all(router)
         hot.stop()
