@@ -166,8 +166,11 @@ class Pricing:
 
 #: Workers whose factors differ by less than this are priced alike: the fit's noise must not
 #: turn the formula's ties, which its random draw spreads over equal workers, into a rule that
-#: always picks whichever worker's fit came out a hair faster.
-EQUAL_WITHIN = 0.05
+#: always picks whichever worker's fit came out a hair faster. 10%: at 5% the noise of fits
+#: learned at each first token still moved equal workers' median TTFT by 2.3% (conversation
+#: trace, no L3, docs/benchmarks/replay.md); a worker 10% slower than the typical one is
+#: priced as typical.
+EQUAL_WITHIN = 0.10
 
 
 def _snap(factor: float) -> float:

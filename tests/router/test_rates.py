@@ -196,3 +196,24 @@ def test_errors_beyond_the_bound_in_a_row_are_a_change_not_outliers():
     assert taken > 5 * cut  # the run's last error counts in full
     within = observe(after[-1], PRIOR, work, truth_s(after[-1].multipliers, work), SETTINGS)
     assert within.streak == 0
+
+
+# --- the roster copy's rates ---------------------------------------------------------------------
+def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases():
+    from kvtier.router.roster import Roster, fits_of
+    from kvtier.schemas.rates import encode_fit
+
+    fit = RateFit(multipliers=(2.0, 1.5, 1.0), samples=3)
+    # an unreadable field is left out: that worker is priced as the typical one
+    assert fits_of([b"w0", encode_fit(fit).encode(), b"w1", b"not a fit"]) == {"w0": fit}
+    roster = Roster(read_at=0.0, live={"w0": (64, 1 << 40)}, lease_count=1, stale=frozenset(), marker_id="m",
+                    ready=True, rebuilding=False, change=0, next_expiry_ms=1 << 40, load_version=None)
+    roster.set_loads(7, [b"w0", b"3"], [], [b"w0", encode_fit(fit).encode()])
+    assert roster.rates == {"w0": fit} and roster.load_version == 7
+    taught = RateFit(multipliers=(2.5, 1.5, 1.0), samples=4)
+    roster.add("w0", -3, 0, 8, taught)  # this replica's release, the version right after the copy's
+    assert roster.rates["w0"] == taught and roster.prefill == {}
+    roster.add("w0", 0, 0, 10, RateFit())  # another replica wrote in between: nothing is trusted
+    assert roster.load_version is None and roster.rates["w0"] == taught
+    roster.set_loads(10, [], [])  # loads without rates (a replica that does not price) keep them
+    assert roster.rates["w0"] == taught
