@@ -67,7 +67,7 @@ class CheckedBooking:
     change: int = 0  # STATE_MOVED, FEED_AHEAD: the change counter
     prefill: object = None  # LOADS_MOVED: the hashes as HGETALL gives them
     decode: object = None
-    rates: object = None  # LOADS_MOVED, when asked for
+    rates: object = None  # LOADS_MOVED, when asked for (None: not asked, the copy keeps its own)
 
 
 def _now_ms() -> int:
@@ -116,8 +116,7 @@ class LoadBook:
                  ",".join(str(c[2]) for c in candidates), selection, predict if book else "",
                  ",".join(str(d) for d in devices) if predict else "",
                  ",".join(repr(float(x)) for x in scales),
-                 ",".join(f"{w.compute_tokens:.17g} {w.host_tokens:.17g} {w.l3_tokens:.17g} {size}"
-                          for w, size in works))
+                 ",".join(f"{w.text()} {size}" for w, size in works))
         raw = await self._select(keys=[*_load_keys(keys), keys.booking(request_id), keys.round_robin], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))
@@ -143,13 +142,14 @@ class LoadBook:
              -1 if load_version is None else load_version, "" if change is None else change, lease_count,
              stale_count, marker_id, 1 if book else 0, session_ttl_ms if session_id else 0,
              1 if leave_session else 0,
-             "" if work is None else f"{work.compute_tokens:.17g} {work.host_tokens:.17g} {work.l3_tokens:.17g}",
+             "" if work is None else work.text(),
              1 if with_rates else 0])
         outcome = Checked(int(raw[0]))
         if outcome is Checked.BOOKED:
             return CheckedBooking(outcome, load_version=int(raw[1]), worker_id=as_text(raw[2] or b""))
         if outcome is Checked.LOADS_MOVED:
-            return CheckedBooking(outcome, load_version=int(raw[1]), prefill=raw[2], decode=raw[3], rates=raw[4])
+            return CheckedBooking(outcome, load_version=int(raw[1]), prefill=raw[2], decode=raw[3],
+                                  rates=raw[4] if with_rates else None)
         if outcome in (Checked.STATE_MOVED, Checked.FEED_AHEAD):
             return CheckedBooking(outcome, change=int(raw[1]))
         return CheckedBooking(outcome, worker_id=as_text(raw[1] or b""))

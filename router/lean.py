@@ -134,24 +134,17 @@ class CopyBooking:
                 pool = steps.under_thresholds(request.model, self.settings.admission,
                                               [roster.live[w][0] for w in ids], prefill, decode)
             except Busy:
-                # Every worker busy by the copy: a refusal (or a wait) rests on the loads Redis
-                # holds, read again once, never on a copy another replica's releases left behind.
+                # Every worker busy by the copy: a refusal rests on the loads Redis holds, read again once.
                 if checked_busy:
                     raise
                 checked_busy = True
                 if (await held.read(int(time.time() * 1000))).candidates != roster.candidates:
                     return None  # who is live changed too: decide again from the top
                 continue
-            credits, scales = lean.credits, None
-            if self.settings.priced:
-                pricing = rates.pricing_by_worker(roster.rates, roster.candidates)
-                credits, scales = rates.priced_columns(ids, lean.overlaps, weights, pricing)
-            chosen, formula, values = steps.choose_on_copy(ids, pool, lean.n_pages, credits, prefill, decode,
-                                                           weights, u, None if leave else kept, scales)
+            chosen, formula, values, work = self._choose(roster, lean, pool, prefill, decode, weights, u,
+                                                         None if leave else kept, len(request.token_ids))
             worker = ids[chosen]
             prefill_pages = steps.prefill_pages_needed(lean.n_pages, lean.overlaps[worker])
-            work = rates.predicted_work(len(request.token_ids), lean.overlaps[worker], prefill[chosen],
-                                        roster.live[worker][0])
             answer = await self.book.book_checked(
                 keys, request_id, worker, prefill_pages, lean.decode_pages, load_version=roster.load_version,
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
@@ -167,8 +160,7 @@ class CopyBooking:
             if answer.outcome is Checked.ALREADY_BOOKED:
                 raise DuplicateRequest(str(AlreadyBooked(request_id, answer.worker_id)))
             if answer.outcome is Checked.LOADS_MOVED:
-                roster.set_loads(answer.load_version, answer.prefill, answer.decode,
-                                 answer.rates if self.settings.priced else None)
+                roster.set_loads(answer.load_version, answer.prefill, answer.decode, answer.rates)
             elif answer.outcome is Checked.SESSION_ELSEWHERE:
                 kept = answer.worker_id
                 if session:
@@ -179,6 +171,22 @@ class CopyBooking:
             else:
                 return None
         return None
+
+    def _choose(self, roster: Roster, lean: LeanInputs, pool: list[int], prefill: list[int], decode: list[int],
+                weights: ScoringWeights, u: float, kept: str | None, n_tokens: int
+                ) -> tuple[int, int, list[float], rates.Work]:
+        """steps.choose_on_copy, with --router-mode predicted-ttft at the copy's rates (the
+        candidates priced against the roster's live workers); and the work the proposed
+        worker's first token would wait for, for its rates to learn from."""
+        credits, scales = lean.credits, None
+        if self.settings.priced:
+            pricing = rates.pricing_by_worker(roster.rates, roster.candidates)
+            credits, scales = rates.priced_columns(lean.ids, lean.overlaps, weights, pricing)
+        chosen, formula, values = steps.choose_on_copy(lean.ids, pool, lean.n_pages, credits, prefill, decode,
+                                                       weights, u, kept, scales)
+        worker = lean.ids[chosen]
+        work = rates.predicted_work(n_tokens, lean.overlaps[worker], prefill[chosen], roster.live[worker][0])
+        return chosen, formula, values, work
 
     def _follow_booking(self, roster: Roster, session: tuple[str, str] | None, worker: str, prefill_pages: int,
                         decode_pages: int, load_version: int) -> None:

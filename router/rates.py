@@ -92,6 +92,11 @@ class Work:
     host_tokens: float
     l3_tokens: float
 
+    def text(self) -> str:
+        """As a booking keeps it for release.lua: the three token counts, each written to read
+        back exactly."""
+        return f"{self.compute_tokens:.17g} {self.host_tokens:.17g} {self.l3_tokens:.17g}"
+
     def nominal_s(self, prior: RatePrior) -> tuple[float, float, float]:
         """Each kind's seconds at the prior's rates (the fit's regressors)."""
         p, h, l3 = prior.seconds_per_token()
