@@ -177,7 +177,7 @@ def test_the_fit_in_redis_is_the_pure_fit(redis_server):
         fits[worker] = observe(fits[worker], PRIOR, work, ttft, SETTINGS)
         answer = learn(keys=[key], args=lua_arguments(worker, work, ttft))
         assert decode_fit(answer) == fits[worker], f"step {step}"
-        assert answer.decode() == encode_fit(fits[worker])
+        assert answer == encode_fit(fits[worker])
     assert {k.decode(): decode_fit(v) for k, v in client.hgetall(key).items()} == fits
     assert all(f.samples > 100 for f in fits.values())
 
@@ -205,10 +205,10 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
 
     fit = RateFit(multipliers=(2.0, 1.5, 1.0), samples=3)
     # an unreadable field is left out: that worker is priced as the typical one
-    assert fits_of([b"w0", encode_fit(fit).encode(), b"w1", b"not a fit"]) == {"w0": fit}
+    assert fits_of([b"w0", encode_fit(fit), b"w1", b"not a fit"]) == {"w0": fit}
     roster = Roster(read_at=0.0, live={"w0": (64, 1 << 40)}, lease_count=1, stale=frozenset(), marker_id="m",
                     ready=True, rebuilding=False, change=0, next_expiry_ms=1 << 40, load_version=None)
-    roster.set_loads(7, [b"w0", b"3"], [], [b"w0", encode_fit(fit).encode()])
+    roster.set_loads(7, [b"w0", b"3"], [], [b"w0", encode_fit(fit)])
     assert roster.rates == {"w0": fit} and roster.load_version == 7
     taught = RateFit(multipliers=(2.5, 1.5, 1.0), samples=4)
     roster.add("w0", -3, 0, 8, taught)  # this replica's release, the version right after the copy's
