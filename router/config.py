@@ -72,6 +72,12 @@ class RouterConfig:
         help="Book each request's pages as predicted device pages on its worker until it completes, visible to "
              "every replica (pages its events may not show yet). Pays off when requests sharing a new context "
              "arrive together (fan-out); costs Redis memory per in-flight page (BENCHMARKS.md).")
+    learn_rates: bool = on_off(
+        RouterSettings.learn_rates, flag="--learn-rates",
+        help="Learn each worker's rates from its first tokens (every booking keeps the work it predicted; the "
+             "first token's release fits the worker's rates in Redis, shown in /healthz, metrics and kvtier "
+             "inspect). Costs about 20-40 us of Redis time per request (BENCHMARKS.md); --router-mode "
+             "predicted-ttft needs it.")
     state_source: StateSource = choice(
         StateSource, RouterSettings.state_source, flag="--state-source",
         help="Where decisions read tier overlaps. index: an in-memory index of every model, built from Redis "
@@ -235,6 +241,9 @@ class RouterConfig:
         return self.redis_pool_wait_ms / 1000
 
     def validate(self) -> None:
+        if self.router_mode is RouterMode.PREDICTED_TTFT and not self.learn_rates:
+            raise SettingsError("--router-mode predicted-ttft prices by the rates the routers learn: it needs "
+                                "--learn-rates on")
         if self.shared_cache_type is SharedCacheType.HICACHE and not self.mooncake_master:
             raise SettingsError("--shared-cache-type hicache needs --mooncake-master http://HOST:PORT (the master's "
                                 "HTTP port serving /batch_query_keys)")
@@ -284,7 +293,7 @@ class RouterConfig:
             state_source=self.state_source, breaker_failures=self.breaker_failures,
             breaker_backoff_s=self.breaker_backoff_s, session_ttl_s=self.session_ttl_s, admission=self.admission(),
             selection=self.router_mode.value if self.router_mode in _BASELINES else "score",
-            priced=self.router_mode is RouterMode.PREDICTED_TTFT)
+            priced=self.router_mode is RouterMode.PREDICTED_TTFT, learn_rates=self.learn_rates)
 
     def admission(self) -> AdmissionSettings:
         return AdmissionSettings(busy_prefill_tokens=self.busy_prefill_tokens,

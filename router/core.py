@@ -387,7 +387,7 @@ class Router:
         candidate's priced prefill_load_scale (empty: the weights'). The booking keeps what
         the chosen one's first token waits for, for its rates to learn from."""
         works = [(rates.predicted_work(len(request.token_ids), c.overlap, 0, size), size)
-                 for c, size in zip(inputs, page_sizes)]
+                 for c, size in zip(inputs, page_sizes)] if self.settings.learn_rates else []
         primary_size = scores.primary_size
         predict = (pages_by_size[primary_size].keys_blob
                    if self.settings.predicted_pages and primary_size in pages_by_size else "")

@@ -149,8 +149,8 @@ class CopyBooking:
                 keys, request_id, worker, prefill_pages, lean.decode_pages, load_version=roster.load_version,
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
                 marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
-                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave, work=work,
-                with_rates=self.settings.priced)
+                session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave,
+                work=work if self.settings.learn_rates else None, with_rates=self.settings.priced)
             if answer.outcome is Checked.BOOKED:
                 if request.book:
                     self._follow_booking(roster, session, worker, prefill_pages, lean.decode_pages, answer.load_version)

@@ -56,8 +56,11 @@ class RouterSettings:
     selection: str = "score"
     #: Price the formula at each worker's learned rates (--router-mode predicted-ttft): a
     #: worker's prefill work weighs its compute rate over the typical worker's, its host and
-    #: pool credits its loads' (router/rates.py). Every score mode learns the rates.
+    #: pool credits its loads' (router/rates.py).
     priced: bool = False
+    #: Bookings keep the work their decision predicted, so that their first token's release
+    #: teaches the worker's rates (--learn-rates; what `priced` prices by).
+    learn_rates: bool = True
     #: Book each request's pages as predicted device pages on its worker until it completes
     #: (--predicted-pages), credited at `predicted_page_weight`.
     predicted_pages: bool = False

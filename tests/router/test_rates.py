@@ -217,3 +217,22 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
     assert roster.load_version is None and roster.rates["w0"] == taught
     roster.set_loads(10, [], [])  # loads without rates (a replica that does not price) keep them
     assert roster.rates["w0"] == taught
+
+
+def test_a_fit_not_in_the_layout_starts_again_instead_of_failing_the_release(redis_server):
+    """An old text form or a stray value under a worker's field: the next first token starts
+    that worker's fit from the prior (a failing release would leave its load booked)."""
+    import redis as sync_redis
+
+    from kvtier.plumbing.lua_scripts import load_lua
+    from kvtier.schemas.rates import decode_fit
+    from kvtier.schemas.state_keys import ModelKeys
+
+    client = sync_redis.Redis.from_url(redis_server.url)
+    learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_ONE)
+    key = ModelKeys.for_model("m-layout").rates
+    work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
+    for stray in (b"1 1 1 1 0 0 0 1 0 0 0 1 0 5 0", b"x" * 119, b""):
+        client.hset(key, "w", stray)
+        fit = decode_fit(learn(keys=[key], args=lua_arguments("w", work, 0.3)))
+        assert fit == observe(SETTINGS.first_fit(), PRIOR, work, 0.3, SETTINGS)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvtier.router.rates import RATE_PRIOR
+from kvtier.schemas.state_keys import ModelKeys
 
 from ..helpers import stop_all, wait_until
 from ..router_helpers import RouterProcess, StateSeeder, http, request_tokens
@@ -112,3 +113,26 @@ def test_a_bad_first_token_time_gets_a_clear_400(redis_client, redis_server):
         assert release(router, "x", "first_token", 12.5)[0] == 404  # well formed, nothing booked
     finally:
         stop_all(router)
+
+
+def test_a_router_told_not_to_learn_keeps_no_work_and_learns_nothing(redis_client, redis_server):
+    from ..helpers import KvtierProcess
+
+    tokens = request_tokens(16, PAGE)
+    StateSeeder(redis_client, MODEL + "-quiet").worker("w", PAGE)
+    router = RouterProcess(redis_server.url, "--learn-rates", "off")
+    try:
+        status, body, _ = router.route(MODEL + "-quiet", tokens, request_id="q1")
+        assert status == 200, body
+        keys = ModelKeys.for_model(MODEL + "-quiet")
+        assert redis_client.hget(keys.booking("q1"), "work") is None
+        status, _, _ = http("POST", router.url + "/v1/release", {"model": MODEL + "-quiet", "request_id": "q1",
+                                                                  "stage": "first_token", "ttft_ms": 40.0})
+        assert status == 200 and redis_client.hgetall(keys.rates) == {}
+    finally:
+        stop_all(router)
+    # pricing by rates that are never learned is refused at start, with what to do
+    refused = KvtierProcess("router", "--redis", redis_server.url, "--http-port", "0", "--router-mode",
+                            "predicted-ttft", "--learn-rates", "off")
+    assert refused.proc.wait(20) == 2
+    assert "needs --learn-rates on" in refused.output()
