@@ -249,7 +249,7 @@ class Router:
         n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
         decode_pages = steps.decode_pages_of(len(request.token_ids), request.max_new_tokens, primary_size)
         return lean.LeanInputs(ids, overlaps, live, change, degraded, shared, primary_size, n_pages, decode_pages,
-                               steps.lean_credits(ids, overlaps, weights))
+                               [] if self.settings.priced else steps.lean_credits(ids, overlaps, weights))
 
     def _lean_outcome(self, request: RouteRequest, request_id: str, weights: ScoringWeights, u: float,
                       started: float, read: lean.LeanInputs, booked: lean.LeanBooked, directory: ModelDirectory,

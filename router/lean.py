@@ -59,7 +59,7 @@ class LeanInputs:
     primary_size: int
     n_pages: int
     decode_pages: int
-    credits: list[float]
+    credits: list[float]  # the formula's; empty when priced (priced per try on the copy's rates)
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,7 @@ class CopyBooking:
         worker's first token would wait for, for its rates to learn from."""
         credits, scales = lean.credits, None
         if self.settings.priced:
-            pricing = rates.pricing_by_worker(roster.rates, roster.candidates)
-            credits, scales = rates.priced_columns(lean.ids, lean.overlaps, weights, pricing)
+            credits, scales = rates.columns_at(lean.ids, lean.overlaps, weights, roster.priced_weights(weights))
         chosen, formula, values = steps.choose_on_copy(lean.ids, pool, lean.n_pages, credits, prefill, decode,
                                                        weights, u, kept, scales)
         worker = lean.ids[chosen]

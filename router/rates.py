@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier.router import scoring
+from kvtier.router.tier_index import NO_OVERLAP
 from kvtier.schemas.rates import RateFit, RatePrior
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 
@@ -235,15 +236,27 @@ def pricing_by_worker(fits: Mapping[str, RateFit], workers: Sequence[str]) -> di
     return dict(zip(workers, relative_pricing([fits.get(w) for w in workers])))
 
 
-def priced_columns(ids: Sequence[str], overlaps: Mapping[str, TierOverlap], weights: ScoringWeights,
-                   pricing: Mapping[str, Pricing]) -> tuple[list[float], list[float]]:
-    """Each candidate's cache credit and prefill_load_scale at its pricing: what the lean
-    choice (router/scoring.py `logits_scaled`) and select_and_book.lua take, equal to
-    `priced_logits` term by term."""
+def weights_by_worker(weights: ScoringWeights, pricing: Mapping[str, Pricing]) -> dict[str, ScoringWeights]:
+    """Each priced worker's weights (`priced_weights`)."""
+    return {worker: priced_weights(weights, p) for worker, p in pricing.items()}
+
+
+def columns_at(ids: Sequence[str], overlaps: Mapping[str, TierOverlap], weights: ScoringWeights,
+               by_worker: Mapping[str, ScoringWeights]) -> tuple[list[float], list[float]]:
+    """Each candidate's cache credit and prefill_load_scale at its own weights (`weights` for
+    a worker not in `by_worker`): what the lean choice (router/scoring.py `logits_scaled`) and
+    select_and_book.lua take, equal to `priced_logits` term by term. A worker the index holds
+    no page of has no credit, whatever its weights."""
     credits, scales = [], []
-    typical = Pricing()
     for worker in ids:
-        priced = priced_weights(weights, pricing.get(worker, typical))
-        credits.append(scoring.cache_credit(overlaps[worker], priced))
+        priced = by_worker.get(worker, weights)
+        overlap = overlaps[worker]
+        credits.append(0.0 if overlap is NO_OVERLAP else scoring.cache_credit(overlap, priced))
         scales.append(priced.prefill_load_scale)
     return credits, scales
+
+
+def priced_columns(ids: Sequence[str], overlaps: Mapping[str, TierOverlap], weights: ScoringWeights,
+                   pricing: Mapping[str, Pricing]) -> tuple[list[float], list[float]]:
+    """`columns_at` at each candidate's pricing."""
+    return columns_at(ids, overlaps, weights, weights_by_worker(weights, pricing))

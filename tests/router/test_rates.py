@@ -219,6 +219,30 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
     assert roster.rates["w0"] == taught
 
 
+def test_a_roster_copy_prices_at_the_rates_it_holds_now():
+    """The priced weights a copy keeps between decisions follow every change of its rates."""
+    from kvtier.router.rates import pricing_by_worker, weights_by_worker
+    from kvtier.router.roster import Roster
+    from kvtier.schemas.rates import encode_fit
+
+    weights = ScoringWeights()
+    live = {w: (64, 1 << 40) for w in ("w0", "w1", "w2")}
+    roster = Roster(read_at=0.0, live=live, lease_count=3, stale=frozenset(), marker_id="m", ready=True,
+                    rebuilding=False, change=0, next_expiry_ms=1 << 40, load_version=None)
+
+    def expected():
+        return weights_by_worker(weights, pricing_by_worker(roster.rates, roster.candidates))
+
+    fast, slow = RateFit(multipliers=(1.0, 1.0, 1.0), samples=9), RateFit(multipliers=(2.0, 2.0, 2.0), samples=9)
+    roster.set_loads(1, [], [], [b"w0", encode_fit(fast), b"w1", encode_fit(fast), b"w2", encode_fit(fast)])
+    assert roster.priced_weights(weights) == expected() and all(w == weights for w in expected().values())
+    roster.add("w2", 0, 0, 2, slow)  # this replica's release taught w2: it is slow now
+    assert roster.priced_weights(weights) == expected()
+    assert roster.priced_weights(weights)["w2"].prefill_load_scale > weights.prefill_load_scale
+    roster.set_loads(5, [], [], [b"w0", encode_fit(fast), b"w1", encode_fit(fast), b"w2", encode_fit(fast)])
+    assert roster.priced_weights(weights) == expected() and roster.priced_weights(weights)["w2"] == weights
+
+
 def test_a_fit_not_in_the_layout_starts_again_instead_of_failing_the_release(redis_server):
     """An old text form or a stray value under a worker's field: the next first token starts
     that worker's fit from the prior (a failing release would leave its load booked)."""
