@@ -39,6 +39,7 @@ PRICED_WEIGHT_SETS = 8
 
 
 def _pairs(flat_or_map):
+    """(field, value) of a hash as HGETALL gives it: a dict, or a flat list (inside a script's answer)."""
     if isinstance(flat_or_map, dict):
         return flat_or_map.items()
     return ((flat_or_map[i], flat_or_map[i + 1]) for i in range(0, len(flat_or_map), 2))
@@ -57,9 +58,7 @@ def fits_of(flat_or_map) -> dict[str, RateFit]:
 
 
 def _int_map(flat_or_map) -> dict[str, int]:
-    if isinstance(flat_or_map, dict):
-        return {as_text(k): int(v) for k, v in flat_or_map.items()}
-    return {as_text(flat_or_map[i]): int(flat_or_map[i + 1]) for i in range(0, len(flat_or_map), 2)}
+    return {as_text(k): int(v) for k, v in _pairs(flat_or_map)}
 
 
 @dataclass
