@@ -150,7 +150,7 @@ class CopyBooking:
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
                 marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
                 session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave,
-                work=work if self.settings.learn_rates else None, with_rates=self.settings.priced)
+                work=work, with_rates=self.settings.priced)
             if answer.outcome is Checked.BOOKED:
                 if request.book:
                     self._follow_booking(roster, session, worker, prefill_pages, lean.decode_pages, answer.load_version)
@@ -174,18 +174,20 @@ class CopyBooking:
 
     def _choose(self, roster: Roster, lean: LeanInputs, pool: list[int], prefill: list[int], decode: list[int],
                 weights: ScoringWeights, u: float, kept: str | None, n_tokens: int
-                ) -> tuple[int, int, list[float], rates.Work]:
+                ) -> tuple[int, int, list[float], rates.Work | None]:
         """steps.choose_on_copy, with --router-mode predicted-ttft at the copy's rates (the
-        candidates priced against the roster's live workers); and the work the proposed
-        worker's first token would wait for, for its rates to learn from."""
+        candidates priced against the roster's live workers); and, with --learn-rates, the work
+        the proposed worker's first token would wait for, for its rates to learn from."""
         credits, scales = lean.credits, None
         if self.settings.priced:
             credits, scales = rates.columns_at(lean.ids, lean.overlaps, weights, roster.priced_weights(weights))
         chosen, formula, values = steps.choose_on_copy(lean.ids, pool, lean.n_pages, credits, prefill, decode,
                                                        weights, u, kept, scales)
+        if not self.settings.learn_rates:
+            return chosen, formula, values, None
         worker = lean.ids[chosen]
-        work = rates.predicted_work(n_tokens, lean.overlaps[worker], prefill[chosen], roster.live[worker][0])
-        return chosen, formula, values, work
+        return chosen, formula, values, rates.predicted_work(n_tokens, lean.overlaps[worker], prefill[chosen],
+                                                             roster.live[worker][0])
 
     def _follow_booking(self, roster: Roster, session: tuple[str, str] | None, worker: str, prefill_pages: int,
                         decode_pages: int, load_version: int) -> None:
