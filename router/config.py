@@ -76,7 +76,7 @@ class RouterConfig:
         RouterSettings.learn_rates, flag="--learn-rates",
         help="Learn each worker's rates from its first tokens (every booking keeps the work it predicted; the "
              "first token's release fits the worker's rates in Redis, shown in /healthz, metrics and kvtier "
-             "inspect). Costs about 20-40 us of Redis time per request (BENCHMARKS.md); --router-mode "
+             "inspect). Costs about 25-45 us of Redis time per request (BENCHMARKS.md); --router-mode "
              "predicted-ttft needs it.")
     state_source: StateSource = choice(
         StateSource, RouterSettings.state_source, flag="--state-source",
