@@ -81,6 +81,14 @@ class RouterMetrics:
                                     ["status"], registry=r)
         self.releases = Counter("router_releases", "Booking releases by stage and whether a booking was found",
                                 ["stage", "found"], registry=r)
+        self.releases_lost = Counter("router_releases_lost",
+                                     "Releases of proxied requests that failed (Redis did not answer): their "
+                                     "bookings hold load until --booking-ttl", registry=r)
+        self.rate_samples_refused = Counter(
+            "router_rate_samples_refused",
+            "First-token times a client reported that taught no worker's rates, by reason (budget: the "
+            "client's share of a worker's samples this minute was spent; late: longer than the booking has "
+            "lived)", ["reason"], registry=r)
         self.decision_log_published = Counter("router_decision_log_published",
                                               "Decisions published to JetStream", registry=r)
         self.decision_log_dropped = Counter("router_decision_log_dropped",
@@ -179,7 +187,9 @@ class RouterMetrics:
         """Workers failing proxied requests: failures, migrations, open circuits."""
         self.upstream_failures = Counter(
             "router_upstream_failures", "Proxied requests a worker failed before the first byte of its answer, by "
-            "reason (refused, timeout, disconnected, status_502/503/504)", ["reason"], registry=r)
+            "reason (refused, timeout, disconnected, status_500/502/503/504, status_5xx: any other 5xx, malformed: "
+            "an answer that ended before its first byte or a stream that does not begin with an event)",
+            ["reason"], registry=r)
         self.migrations = Counter("router_migrations",
                                   "Proxied requests routed again to another worker after one failed before its "
                                   "first byte (--migration-limit)", registry=r)

@@ -49,8 +49,9 @@ _FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage", "X-Request-Id")
 #: Booking ids of proxied requests start with this; /v1/route and /v1/release refuse such ids,
 #: so no client can release (or pre-book) a proxied request's booking.
 PROXY_BOOKING_PREFIX = "proxy:"
-#: Worker answers that mean "not now" before any byte of an answer: the request migrates.
-_RETRY_STATUSES = frozenset({502, 503, 504})
+#: 5xx statuses counted under their own reason in router_upstream_failures (any other 5xx is
+#: "status_5xx"); every 5xx before the first byte of an answer migrates the request.
+_NAMED_STATUSES = frozenset({500, 502, 503, 504})
 #: Text prompts longer than this (bytes) are tokenized in a pool of their own, so a few long
 #: prompts never hold back the short ones.
 _LONG_PROMPT_BYTES = 64 << 10
@@ -85,6 +86,10 @@ class Proxy:
         self._long_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                 thread_name_prefix="kvtier-tokenize-long")
         self.tokenization = TokenizationWatch(router, settings.stored_page_check_s, self._tokenizers)
+        self._releases: set[asyncio.Task] = set()
+        #: The answers being relayed now, so a drain that runs out of time can end each one
+        #: with the error event instead of a cut connection.
+        self._relays: set[_Relay] = set()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -98,13 +103,44 @@ class Proxy:
             if (cache := tokenizer.piece_cache) is not None:
                 self.metrics.tokenizer_cache_bytes.labels(model).set(cache.bytes)
 
-    async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage,
-                               ttft_ms: float | None = None) -> None:
+    # --- releases: a task of their own each, so no exit path of a handler loses one ----------
+    def _release_later(self, model: str, request_id: str, stage: ReleaseStage, ttft_ms: float | None = None,
+                       after: asyncio.Future | None = None) -> asyncio.Task:
+        """Release in a task this proxy holds until it ends: a handler cancelled (client gone,
+        drain cut) while its release waits for Redis or the roster's lock cannot lose it, and
+        `settle` waits for every one before Redis closes. `after`: a release that must land
+        first (the first token's, before the end's)."""
+        task = asyncio.get_running_loop().create_task(self._release(model, request_id, stage, ttft_ms, after))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
+
+    async def _release(self, model: str, request_id: str, stage: ReleaseStage, ttft_ms: float | None,
+                       after: asyncio.Future | None) -> None:
+        if after is not None:
+            await asyncio.wait([after])
         try:
             await self.router.release(model, request_id, stage, ttft_ms)
             self.queue.notify()
         except Exception as exc:  # noqa: BLE001 - a lost release only delays expiry
+            self.metrics.releases_lost.inc()
             log.warning("could not release %s (%s) of request %s: %s", stage.value, model, request_id, exc)
+
+    async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage,
+                               ttft_ms: float | None = None, after: asyncio.Future | None = None) -> None:
+        """The release, awaited; a cancellation of the caller leaves it running."""
+        await asyncio.shield(self._release_later(model, request_id, stage, ttft_ms, after))
+
+    async def settle(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the releases under way (before the Redis client closes);
+        the number still unfinished (their bookings expire after --booking-ttl)."""
+        pending = set(self._releases)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout_s)
+        if pending:
+            log.warning("%d releases did not finish before the stop; their bookings expire after --booking-ttl",
+                        len(pending))
+        return len(pending)
 
     # --- the handlers ---------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -241,10 +277,19 @@ class Proxy:
         try:
             upstream = await self._upstream().post(decision.worker_url.rstrip("/") + path, data=raw,
                                                    headers=headers)
-            if upstream.status in _RETRY_STATUSES:
+            if upstream.status >= 500:
                 upstream.release()
-                return f"status_{upstream.status}"
-            return upstream, await upstream.content.readany()
+                log.warning("worker %s at %s answered %d before any byte of an answer", decision.worker_id,
+                            decision.worker_url, upstream.status)
+                return f"status_{upstream.status}" if upstream.status in _NAMED_STATUSES else "status_5xx"
+            first = await upstream.content.readany()
+            malformed = _malformed(upstream, first)
+            if malformed:
+                upstream.close()
+                log.warning("worker %s at %s answered nothing usable: %s", decision.worker_id, decision.worker_url,
+                            malformed)
+                return "malformed"
+            return upstream, first
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
             reason, error = "refused", exc
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -271,14 +316,17 @@ class Proxy:
     async def _forward(self, request: web.Request, raw: bytes, route: RouteRequest, received: float,
                        tokenized: bool = False) -> web.StreamResponse:
         """Route, then send the body unchanged to the same path on the chosen worker and stream
-        its answer back. A worker that refuses, times out or fails before the first byte of its
-        answer is left for another candidate (up to --migration-limit times; its booking given
-        back, the workers tried named in X-Kvtier-Tried); after the first byte nothing is sent
-        again, and a stream that breaks ends with an error event. The booking is released at
-        the first chunk (prefill done) and at the end, also when the client goes away (aiohttp
-        cancels this handler, which closes the upstream). `received`: when the request arrived
-        (perf_counter), for the latency histograms; `tokenized`: the router tokenized the prompt,
-        so the engine's count in its answer checks the router's tokenizer."""
+        its answer back. A worker that refuses, times out, fails (a 5xx) or answers nothing
+        usable before the first byte of its answer is left for another candidate (up to
+        --migration-limit times; its booking given back, the workers tried named in
+        X-Kvtier-Tried), and counts as a failure for its circuit; after the first byte nothing
+        is sent again, and a stream that breaks ends with an error event. The booking is
+        released at the first chunk (prefill done) and on every way out of this handler: the
+        end, the client gone (aiohttp cancels this handler, which closes the upstream), an
+        upstream error or timeout, a drain that cuts the stream (see `_release_later`).
+        `received`: when the request arrived (perf_counter), for the latency histograms;
+        `tokenized`: the router tokenized the prompt, so the engine's count in its answer
+        checks the router's tokenizer."""
         model, openai = route.model, request.path in OPENAI_PATHS
         upstream_headers = self._upstream_headers(request)
         session = request.headers.get("X-Session-Id")
@@ -287,9 +335,10 @@ class Proxy:
         tried: list[str] = []
         why: list[str] = []  # what each tried worker did, for the 502 if none answers
         booking_id = route.request_id or _proxy_booking_id()
+        route = msgspec.structs.replace(route, request_id=booking_id)
         while True:
             try:
-                outcome = await self._decide(route, frozenset(tried))
+                outcome = await self._decided(route, tried)
             except RoutingError as exc:
                 if not tried:
                     return error_response(exc.status, str(exc), self.metrics, openai)
@@ -308,12 +357,29 @@ class Proxy:
                 continue
             self.router.breaker.succeeded(model, decision.worker_id)
             upstream, first = attempt
+            relay = _Relay(upstream, streamed=upstream.content_type == "text/event-stream")
+            self._relays.add(relay)
             try:
-                return await self._relay(request, route, outcome, upstream, first, received, router_s, tried,
+                return await self._relay(request, route, outcome, relay, first, received, router_s, tried,
                                          tokenized)
             finally:
+                self._relays.discard(relay)
                 upstream.close()
-                await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+                await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE,
+                                            after=relay.first_token_release)
+
+    async def _decided(self, route: RouteRequest, tried: list[str]) -> Outcome:
+        """The decision for `route`. Cut short by anything but a refusal (the client gone, the
+        drain), its booking is given back: the booking script may have run before the
+        cancellation reached this await."""
+        try:
+            return await self._decide(route, frozenset(tried))
+        except (RoutingError, Refused):
+            raise
+        except BaseException:
+            assert route.request_id is not None
+            self._release_later(route.model, route.request_id, ReleaseStage.COMPLETE)
+            raise
 
     async def _try_worker(self, model: str, decision: RouteResponse, path: str, raw: bytes,
                           headers: dict[str, str], why: list[str]) -> Attempt:
@@ -340,17 +406,16 @@ class Proxy:
         response.headers["X-Kvtier-Tried"] = ",".join(tried)
         return response
 
-    async def _relay(self, request: web.Request, route: RouteRequest, outcome: Outcome,
-                     upstream: aiohttp.ClientResponse, first: bytes, received: float, router_s: float,
-                     tried: list[str], tokenized: bool) -> web.StreamResponse:
-        decision, model = outcome.response, route.model
+    async def _relay(self, request: web.Request, route: RouteRequest, outcome: Outcome, relay: _Relay,
+                     first: bytes, received: float, router_s: float, tried: list[str],
+                     tokenized: bool) -> web.StreamResponse:
+        decision, model, upstream, streamed = outcome.response, route.model, relay.upstream, relay.streamed
         headers = _answer_headers(decision, router_s, tried)
         self.metrics.proxy_overhead.observe(router_s)
         labels = (decision.worker_id, self.settings.routing_mode, decision.overlap.dominant_tier())
         answer = _AnswerTail() if tokenized else None
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type
-        streamed = upstream.content_type == "text/event-stream"
         ok = upstream.status == 200
         if ok:
             # The worker's own first-token time (from sending it the request) teaches its rates;
@@ -360,8 +425,8 @@ class Proxy:
                 now = time.perf_counter()
                 self.metrics.ttft.labels(*labels).observe(now - received)
                 first_token_ms = max((now - received - router_s) * 1000, 0.001)
-            asyncio.ensure_future(self._release_quietly(model, decision.request_id, ReleaseStage.FIRST_TOKEN,
-                                                        first_token_ms))
+            relay.first_token_release = self._release_later(model, decision.request_id, ReleaseStage.FIRST_TOKEN,
+                                                            first_token_ms)
         await response.prepare(request)
         chunk = first
         try:
@@ -369,10 +434,16 @@ class Proxy:
                 if answer is not None and ok:
                     answer.add(chunk, keep_all=not streamed)
                 await response.write(chunk)
+                if relay.cut:
+                    break
                 chunk = await upstream.content.readany()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            if not await self._end_broken_answer(response, decision, exc, streamed):
+            if not await self._end_broken_answer(response, decision, exc, relay):
                 raise
+            return response
+        if relay.cut:  # the drain closed the upstream: the answer did not end
+            if not await self._end_broken_answer(response, decision, None, relay):
+                raise ConnectionResetError(relay.cut)
             return response
         # Recorded before the answer's end goes out: a client that reads /metrics or /healthz
         # once it has its answer finds the answer counted.
@@ -385,20 +456,71 @@ class Proxy:
         await response.write_eof()
         return response
 
-    async def _end_broken_answer(self, response: web.StreamResponse, decision: RouteResponse, exc: BaseException,
-                                 streamed: bool) -> bool:
-        """The worker failed mid-answer: counted and logged. A stream has begun (its status is
-        sent), so it ends with an error event, which OpenAI clients raise, instead of a connection
-        cut short: True. A whole body cannot say so: False, and the caller lets the error cut it."""
-        self.metrics.proxy_requests.labels("failed_after_first_byte").inc()
-        failure = f"worker {decision.worker_id} failed mid-answer: {type(exc).__name__}"
-        log.warning("%s (%s): %s", failure, decision.worker_url, exc)
-        if not streamed:
+    async def _end_broken_answer(self, response: web.StreamResponse, decision: RouteResponse,
+                                 exc: BaseException | None, relay: _Relay) -> bool:
+        """The worker failed mid-answer, or the drain cut it (`relay.cut`): counted and logged.
+        A stream has begun (its status is sent), so it ends with an error event, which OpenAI
+        clients raise, and `[DONE]`, instead of a connection cut short: True. A whole body
+        cannot say so: False, and the caller lets the error cut it."""
+        if relay.cut:
+            self.metrics.proxy_requests.labels("cut_by_drain").inc()
+            failure, code = f"{relay.cut}: the answer from worker {decision.worker_id} was cut", 503
+            log.warning("%s", failure)
+        else:
+            self.metrics.proxy_requests.labels("failed_after_first_byte").inc()
+            failure, code = f"worker {decision.worker_id} failed mid-answer: {type(exc).__name__}", 502
+            log.warning("%s (%s): %s", failure, decision.worker_url, exc)
+        if not relay.streamed:
             return False
-        error = OpenAIErrorBody(error=OpenAIError(message=f"{failure} (mid-stream)", type="server_error", code=502))
+        error = OpenAIErrorBody(error=OpenAIError(message=f"{failure} (mid-stream)", type="server_error", code=code))
         await response.write(b"data: " + json_encoder.encode(error) + b"\n\ndata: [DONE]\n\n")
         await response.write_eof()
         return True
+
+    async def cut_streams(self, reason: str, timeout_s: float) -> int:
+        """The drain ran out of time: every answer still being relayed is stopped (its upstream
+        closed) and, when it is a stream, ended with the error event; waits up to `timeout_s`
+        for their handlers to finish. The number that were cut."""
+        relays = list(self._relays)
+        for relay in relays:
+            relay.cut = reason
+            relay.upstream.close()
+        deadline = time.monotonic() + timeout_s
+        while self._relays & set(relays) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return len(relays)
+
+
+class _Relay:
+    """One answer being relayed: its upstream, whether it streams, the release of its first
+    token (the end's release waits for it), and why the drain cut it ("" while it runs)."""
+
+    __slots__ = ("cut", "first_token_release", "streamed", "upstream")
+
+    def __init__(self, upstream: aiohttp.ClientResponse, streamed: bool) -> None:
+        self.upstream, self.streamed = upstream, streamed
+        self.first_token_release: asyncio.Task | None = None
+        self.cut = ""
+
+
+def _malformed(upstream: aiohttp.ClientResponse, first: bytes) -> str:
+    """Why a 2xx answer's first chunk cannot be the start of an answer ("" when it can): an
+    answer that ends before its first byte, or a stream whose first bytes are not an event.
+    Such an engine is as broken as one that refuses: nothing has reached the client yet."""
+    if upstream.status != 200:
+        return ""
+    if not first:
+        return "the answer ended before its first byte"
+    if upstream.content_type == "text/event-stream":
+        # (a chunk may end inside the first field's name: a prefix of one is not malformed)
+        head = first.lstrip()[:6]
+        if head and not any(head.startswith(start) or start.startswith(head) for start in _SSE_STARTS):
+            return f"a stream whose first bytes are not an event: {first[:40]!r}"
+    return ""
+
+
+#: How a server-sent event's first line begins (a field, or a comment).
+_SSE_STARTS = (b"data:", b"event:", b"id:", b"retry:", b":")
 
 
 def _answer_headers(decision: RouteResponse, router_s: float, tried: list[str]) -> dict[str, str]:

@@ -77,6 +77,17 @@ _ALWAYS_SERVED = frozenset({"/healthz", "/metrics", "/v1/release"})
 #: least this long before the listener closes.
 _DRAIN_LINGER_S = 1.0
 
+#: A router leaves at most this long after its --drain-timeout has passed since SIGTERM: the
+#: cut streams' error events, the releases under way, the HTTP server's close.
+STOP_MARGIN_S = 2.0
+#: Of STOP_MARGIN_S, kept for what follows the HTTP server's cleanup (the Redis and NATS
+#: clients' close, the interpreter's exit).
+_EXIT_SLACK_S = 0.4
+#: How long the cut streams' handlers get to write their error event and release.
+_CUT_WAIT_S = 0.3
+#: How long the releases under way get to reach Redis before its client closes.
+_SETTLE_S = 0.3
+
 #: How long /healthz reuses its read of the processors' hash checks.
 _STORE_HEALTH_S = 1.0
 
@@ -126,6 +137,7 @@ class RouterService:
             # awaited, so no housekeeping pass runs on after the Redis client is closed
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)
+        await self.proxy.settle(_SETTLE_S)
         await self.router.close()
         await self.proxy.close()
 
@@ -366,13 +378,14 @@ async def run_router_service(router: Router, settings: ServiceSettings, host: st
     service = RouterService(router, settings)
     # handler_cancellation: a client that goes away cancels its handler, so a proxied request
     # stops its upstream request and gives its booking back at once.
-    # shutdown_timeout: after the drain, what is still running is cut at once (its bookings are
-    # released as each handler ends), not waited on for aiohttp's default minute
+    # shutdown_timeout: after the drain (and the cut of what it left), what is still running is
+    # cut at once (its bookings are released as each handler ends), not waited on for
+    # aiohttp's default minute
     stats = GuardStats(on_close=lambda reason: router.metrics.connections_closed.labels(reason).inc())
     for reason in CLOSE_REASONS:  # exported as 0 from the start
         router.metrics.connections_closed.labels(reason)
     runner = guarded_runner(service.app(), settings.http_limits, stats=stats, access_log=None, handle_signals=False,
-                            handler_cancellation=True, shutdown_timeout=1.0)
+                            handler_cancellation=True, shutdown_timeout=0.5)
     await runner.setup()
     slot = settings.process
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=slot is not None)
@@ -386,16 +399,30 @@ async def run_router_service(router: Router, settings: ServiceSettings, host: st
     log.info("router %s serving on http://%s:%d", router.router_id, host, bound)
     if ready is not None:
         ready(bound)
+    stopped_at = time.monotonic()
     try:
         await stop.wait()
-        started = time.monotonic()
+        stopped_at = time.monotonic()
         log.info("router %s draining: %d requests in flight, up to %.0f s (--drain-timeout)", router.router_id,
                  service.in_flight, settings.drain_timeout_s)
         left = await service.drain(settings.drain_timeout_s)
-        log.info("router %s drained in %.1f s; %d requests cut", router.router_id, time.monotonic() - started, left)
+        if left:
+            # What is still relayed ends with the error event (and its booking is released)
+            # before the listener closes, not with a connection the cleanup cuts.
+            await service.proxy.cut_streams("this router is shutting down (--drain-timeout passed)", _CUT_WAIT_S)
+        log.info("router %s drained in %.1f s; %d requests cut", router.router_id, time.monotonic() - stopped_at,
+                 left)
     finally:
         started = time.monotonic()
-        await runner.cleanup()
+        # Bounded: the process leaves within --drain-timeout + STOP_MARGIN_S of the signal
+        # whatever hangs in the cleanup (a socket, a client's close); commands/router.py
+        # forces the exit should this bound fail too.
+        budget = max(settings.drain_timeout_s + STOP_MARGIN_S - _EXIT_SLACK_S - (started - stopped_at), 0.1)
+        try:
+            await asyncio.wait_for(runner.cleanup(), budget)
+        except asyncio.TimeoutError:
+            log.error("router %s: the HTTP server's cleanup took longer than %.1f s; stopping without it",
+                      router.router_id, budget)
         log.info("router %s stopped (%.1fs)", router.router_id, time.monotonic() - started)
 
 
@@ -426,7 +453,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
         await run_router_service(router, service, config.host, config.http_port, stop, ready)
     finally:
         if decision_log is not None:
-            await decision_log.close()
+            await decision_log.close(drain_s=0.3)
         if shared_pool is not None:
             await shared_pool.close()
         await client.aclose() if hasattr(client, "aclose") else await client.close()

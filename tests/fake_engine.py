@@ -2,19 +2,31 @@
 with `input_ids`, streaming SSE chunks (`data: {...}` then `data: [DONE]`) or one JSON body,
 like SGLang's native API, and `/v1/completions` with token-id prompts, streamed. It records
 what it received (bodies, and /generate's headers) and can hold its first chunk until
-released, so a test can observe the router's bookings at each stage. Run as a process:
-`python -m tests.fake_engine PORT`."""
+released, so a test can observe the router's bookings at each stage. With `--fail MODE` it
+answers its health (`/seen`) but fails every request: `500` (an error status), `empty` (a 200
+that ends before any byte), `garbage` (a stream that does not begin with an event). Run as a
+process: `python -m tests.fake_engine PORT [HOLD_FILE] [--fail MODE]`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 from aiohttp import web
 
 
-def build_app(hold_file: str | None = None) -> web.Application:
+async def _failed(request: web.Request, fail: str) -> web.StreamResponse:
+    if fail == "500":
+        return web.json_response({"error": "the engine failed"}, status=500)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    if fail == "garbage":
+        await response.write(b"<html>oops</html>")
+    await response.write_eof()
+    return response
+
+
+def build_app(hold_file: str | None = None, fail: str = "") -> web.Application:
     received: list[dict] = []
     headers_seen: list[dict] = []
 
@@ -22,6 +34,8 @@ def build_app(hold_file: str | None = None) -> web.Application:
         body = await request.json()
         received.append(body)
         headers_seen.append(dict(request.headers))
+        if fail:
+            return await _failed(request, fail)
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 3))
         if not body.get("stream"):
             return web.json_response({"text": "x" * n, "meta_info": {"prompt_tokens": len(body["input_ids"]),
@@ -45,6 +59,8 @@ def build_app(hold_file: str | None = None) -> web.Application:
         (with a hold file) until the file exists; counts requests whose client went away."""
         body = await request.json()
         received.append(body)
+        if fail:
+            return await _failed(request, fail)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -87,7 +103,13 @@ def _exists(path: str) -> bool:
 
 
 if __name__ == "__main__":
-    port = int(sys.argv[1])
-    hold = sys.argv[2] if len(sys.argv) > 2 else None
-    web.run_app(build_app(hold), host="127.0.0.1", port=port, print=None, handle_signals=True,
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("hold", nargs="?")
+    parser.add_argument("--fail", choices=("500", "empty", "garbage"), default="")
+    args = parser.parse_args()
+    port = args.port
+    web.run_app(build_app(args.hold, args.fail), host="127.0.0.1", port=port, print=None, handle_signals=True,
                 handler_cancellation=True)  # a router that goes away cancels the request, as SGLang sees it

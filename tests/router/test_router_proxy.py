@@ -25,9 +25,10 @@ pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not sl
 
 
 class EngineProcess:
-    def __init__(self, hold_file: str | None = None):
+    def __init__(self, hold_file: str | None = None, fail: str = ""):
         self.port = free_port()
         args = [sys.executable, "-m", "tests.fake_engine", str(self.port)] + ([hold_file] if hold_file else [])
+        args += ["--fail", fail] if fail else []
         self.proc = subprocess.Popen(args, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         wait_until(lambda: answers(self.url + "/seen"), timeout=20, what="fake engine to answer")
