@@ -20,7 +20,9 @@
 --       leaves the session's worker on purpose (it is not a candidate), else 0, 15 the work
 --       the decision predicts its first token waits for ("compute host-load L3-load" tokens,
 --       kept in the booking for release.lua to learn from; "": none), 16 1 when the loads'
---       answer carries the rates too (a replica that prices by them), else 0
+--       answer carries the rates too (a replica that prices by them), else 0, 17 the digest
+--       of the booking's owner secret, which a client's release must give (release.lua; "":
+--       none)
 -- Returns one of
 --   {1, load version after booking, the session's worker as found ("" when none, or left)}
 --                                         booked (or, with book 0, the copy is current)
@@ -69,6 +71,7 @@ add_load(LOAD.decode, worker, decode_pages)
 version = loads_changed()
 redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
 if ARGV[15] ~= '' then redis.call('HSET', bk, 'work', ARGV[15], 'at', now) end
+if (ARGV[17] or '') ~= '' then redis.call('HSET', bk, 'owner', ARGV[17]) end
 -- The hash outlives its zset entry a little, so a sweep can still read what to give back.
 redis.call('PEXPIRE', bk, ttl + math.min(ttl, 60000))
 redis.call('ZADD', LOAD.bookings, now + ttl, request_id)

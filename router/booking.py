@@ -5,6 +5,7 @@ give the load back; bookings of a router that died expire after their TTL."""
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,12 +16,20 @@ from kvtier.schemas.rates import RateFit, decode_fit
 from kvtier.schemas.routing import ReleaseStage
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
-from .rates import FIT_SETTINGS, RATE_PRIOR, Work, fit_arguments
+from .rates import CLIENT_SAMPLES, FIT_SETTINGS, RATE_PRIOR, Work, fit_arguments
 from .settings import BOOKING_TTL_S
 
 _COMMON = load_lua("kvtier.router", "bookings.lua")
 #: The fit's prior and settings as release.lua passes them to learn_rate (router/rates.py).
 _FIT_ARGUMENTS = fit_arguments(RATE_PRIOR, FIT_SETTINGS)
+#: What a client's first token may teach, as release.lua takes it.
+_CLIENT_ARGUMENTS = [str(CLIENT_SAMPLES.per_minute), repr(CLIENT_SAMPLES.max_step), repr(CLIENT_SAMPLES.late_slack_ms)]
+
+
+def owner_digest(owner: str) -> str:
+    """What a booking keeps of its owner's secret: enough to check a release against, nothing a
+    reader of Redis could release with."""
+    return hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 SWEEP_LIMIT = 256
 
 
@@ -46,6 +55,8 @@ class Released:
     decode_pages: int
     load_version: int = 0  # the model's load version after the release (0: nothing found)
     fit: RateFit | None = None  # the worker's rates after a first token that taught them
+    not_owner: bool = False  # the booking is there, and the owner given is not its own
+    sample_refused: str = ""  # why a client's first token taught nothing (rates.SAMPLE_REFUSALS)
 
 
 class Checked(enum.IntEnum):
@@ -98,14 +109,15 @@ class LoadBook:
                               temperature: float, u: float, book: bool = True,
                               selection: str = "score", predict: str = "",
                               devices: Sequence[int] = (), scales: Sequence[float] = (),
-                              works: Sequence[tuple[Work, int]] = ()) -> Selection:
+                              works: Sequence[tuple[Work, int]] = (), owner: str = "") -> Selection:
         """`candidates`: (worker id, cache credit, pages it need not compute) in a fixed order.
         `selection`: "score" (the formula), "round-robin" or "random" (select_and_book.lua).
         `predict`: the request's page keys blob to predict on the chosen worker past its
         device overlap (`devices`, in candidate order); "" predicts nothing. `scales`: each
         candidate's prefill_load_scale (the formula priced at its rates; empty: the one given).
         `works`: each candidate's predicted work before its booked prefill, with its page size
-        (empty: the booking teaches nothing at its first token)."""
+        (empty: the booking teaches nothing at its first token). `owner`: the secret a client's
+        release must give ("": none)."""
         if any("," in c[0] for c in candidates):
             raise ValueError("worker ids must not contain ',' (bridges only announce [A-Za-z0-9_-] ids)")
         keys = ModelKeys.for_model(model)
@@ -116,7 +128,7 @@ class LoadBook:
                  ",".join(str(c[2]) for c in candidates), selection, predict if book else "",
                  ",".join(str(d) for d in devices) if predict else "",
                  ",".join(repr(float(x)) for x in scales),
-                 ",".join(f"{w.text()} {size}" for w, size in works))
+                 ",".join(f"{w.text()} {size}" for w, size in works), owner_digest(owner) if owner else "")
         raw = await self._select(keys=[*_load_keys(keys), keys.booking(request_id), keys.round_robin], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))
@@ -127,12 +139,13 @@ class LoadBook:
                            decode_pages: int, *, load_version: int | None, change: int | None, lease_count: int,
                            stale_count: int, marker_id: str, book: bool = True, session_id: str | None = None,
                            session_ttl_ms: int = 0, leave_session: bool = False, work: Work | None = None,
-                           with_rates: bool = False) -> CheckedBooking:
+                           with_rates: bool = False, owner: str = "") -> CheckedBooking:
         """Book `worker_id`, chosen on a copy of the model's state, only if the copy is what
         Redis holds (book_checked.lua says what each argument is checked against). `change`:
         the change number the overlaps were read at (None: not checked). `work`: what the
         decision predicts its first token waits for, kept for release.lua to learn from;
-        `with_rates`: the loads' answer carries the rates too."""
+        `with_rates`: the loads' answer carries the rates too; `owner`: the secret a client's
+        release must give ("": none)."""
         session_key = keys.session(session_id) if session_id else keys.base
         raw = await self._run(
             self._checked,
@@ -143,7 +156,7 @@ class LoadBook:
              stale_count, marker_id, 1 if book else 0, session_ttl_ms if session_id else 0,
              1 if leave_session else 0,
              "" if work is None else work.text(),
-             1 if with_rates else 0])
+             1 if with_rates else 0, owner_digest(owner) if owner else ""])
         outcome = Checked(int(raw[0]))
         if outcome is Checked.BOOKED:
             return CheckedBooking(outcome, load_version=int(raw[1]), worker_id=as_text(raw[2] or b""))
@@ -154,16 +167,21 @@ class LoadBook:
             return CheckedBooking(outcome, change=int(raw[1]))
         return CheckedBooking(outcome, worker_id=as_text(raw[1] or b""))
 
-    async def release(self, model: str, request_id: str, stage: ReleaseStage,
-                      ttft_ms: float | None = None) -> Released:
+    async def release(self, model: str, request_id: str, stage: ReleaseStage, ttft_ms: float | None = None,
+                      owner: str = "", client: str = "") -> Released:
         """`ttft_ms`: the first token's time as the client measured it (None: since the
-        booking); a first token teaches the worker's rates when its booking carries work."""
+        booking); a first token teaches the worker's rates when its booking carries work.
+        `owner`: the secret the booking's /v1/route answer gave ("": the router's own release,
+        not checked); `client`: who reports the time, bounded by ClientSamples ("": trusted)."""
         keys = ModelKeys.for_model(model)
         raw = await self._run(self._release, [*_load_keys(keys), keys.booking(request_id), keys.rates],
                               [keys.base, request_id, stage.value, _now_ms(), 32,
-                               "" if ttft_ms is None else repr(float(ttft_ms)), *_FIT_ARGUMENTS])
+                               "" if ttft_ms is None else repr(float(ttft_ms)), *_FIT_ARGUMENTS,
+                               owner_digest(owner) if owner else "", client, *_CLIENT_ARGUMENTS])
         fit = decode_fit(raw[5]) if raw[5] else None
-        return Released(bool(int(raw[0])), as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0), fit)
+        found = int(raw[0])
+        return Released(found == 1, as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0), fit,
+                        not_owner=found == -1, sample_refused=as_text(raw[6] or b""))
 
     async def _run(self, script, keys: list, args: list):
         if self._shared is None:

@@ -108,8 +108,17 @@ class RouterConfig:
              "budget is booked as decode load, so an absurd one would push every other request elsewhere.")
     max_prompt_bytes: int = setting(
         2 << 20, flag="--max-prompt-bytes", parse=positive_int,
-        help="With --proxy: largest text prompt tokenized here (UTF-8 bytes; a chat's messages together), else "
-             "413, checked before tokenizing (~1 s of CPU per MB).")
+        help="With --proxy: largest text prompt tokenized here (UTF-8 bytes; a chat's messages together, each "
+             "counted at least 32 bytes for what the template wraps it in), else 413, checked before rendering "
+             "or tokenizing (~1 s of CPU per MB).")
+    max_chat_messages: int = setting(
+        4096, flag="--max-chat-messages", parse=positive_int,
+        help="With --proxy: most messages in one chat (/v1/chat/completions), else 413 before its template is "
+             "rendered (a chat of many empty messages costs rendering, not bytes of text).")
+    tokenize_timeout_s: float = setting(
+        10.0, flag="--tokenize-timeout", parse=positive_float,
+        help="With --proxy: longest one request's chat template and tokenizer may take (seconds), else 413; "
+             "what bounds a prompt's cost whatever its shape.")
     #: A request finding every connection busy waits for one instead of being routed as if
     #: Redis were down: a busy pool is load, not an outage.
     redis_max_connections: int = setting(
@@ -305,7 +314,8 @@ class RouterConfig:
         return ServiceSettings(
             process=self.process, max_request_tokens=self.max_request_tokens, max_body_bytes=self.max_body_bytes,
             proxy=self.proxy, default_model=self.default_model, max_new_tokens=self.max_new_tokens,
-            max_prompt_bytes=self.max_prompt_bytes,
+            max_prompt_bytes=self.max_prompt_bytes, max_chat_messages=self.max_chat_messages,
+            tokenize_timeout_s=self.tokenize_timeout_s,
             upstream_connections_per_worker=self.upstream_connections_per_worker,
             upstream_connect_timeout_s=self.upstream_connect_timeout_s,
             upstream_idle_timeout_s=self.upstream_idle_timeout_s, upstream_timeout_s=self.upstream_timeout_s,

@@ -42,7 +42,7 @@ from .booking import AlreadyBooked, LoadBook, Selection
 from .breaker import CircuitBreaker
 from .cluster_checks import ClusterChecks
 from .errors import Busy as Busy  # router/admission.py imports it from here
-from .errors import DuplicateRequest, NoWorkers, RoutingError, UnknownModel
+from .errors import DuplicateRequest, NotOwner, NoWorkers, RoutingError, UnknownModel
 from .fallback import Fallback as _Fallback  # the name tests/consumers/test_restarts_and_lag.py imports
 from .fallback import StateStoreWatch
 from .hashing import RequestPages
@@ -141,10 +141,9 @@ class Router:
         return self.shared_query.last_error
 
     # --- the decision -------------------------------------------------------------------
-    async def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Outcome:
-        """`exclude`: workers this request already failed on (the proxy's migration); they are
-        not candidates, nor are workers whose circuit is open (router/breaker.py) unless no
-        other is left."""
+    async def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset(), owner: str = "") -> Outcome:
+        """`exclude`: workers this request already failed on (the proxy's migration) and, unless no
+        other is left, workers whose circuit is open; `owner`: what a client's release must give."""
         started = time.perf_counter()
         self.decisions_made += 1
         weights = request.overrides.applied_to(self.settings.weights) if request.overrides else self.settings.weights
@@ -154,11 +153,11 @@ class Router:
             return self._route_without_state(request, request_id, weights, u, started, exclude=exclude)
         try:
             if self.rosters is not None:
-                outcome = await self._route_lean(request, request_id, weights, u, started, exclude)
+                outcome = await self._route_lean(request, request_id, weights, u, started, exclude, owner)
                 if isinstance(outcome, Outcome):
                     return outcome
                 self.metrics.full_reads_by_reason(outcome).inc()
-            return await self._route_with_state(request, request_id, weights, u, started, exclude)
+            return await self._route_with_state(request, request_id, weights, u, started, exclude, owner)
         except RoutingError:
             raise
         except redis.exceptions.ResponseError:
@@ -187,7 +186,7 @@ class Router:
 
     # --- the lean decision --------------------------------------------------------------
     async def _route_lean(self, request: RouteRequest, request_id: str, weights: ScoringWeights, u: float,
-                          started: float, exclude: frozenset[str]) -> Outcome | str:
+                          started: float, exclude: frozenset[str], owner: str = "") -> Outcome | str:
         """The decision on this replica's copies: overlaps from the index, roster and loads from
         router/roster.py, chosen by router/scoring.py and booked with book_checked.lua, which
         books only while the copies are what Redis holds (one round trip when they are). When
@@ -213,7 +212,7 @@ class Router:
             read = await self._lean_inputs(request, weights, index, roster, directory, pages_by_size, exclude)
             async with held.lock:
                 booked = await self.copy_booking.choose_and_book(request, request_id, keys, held, read, weights, u,
-                                                                 read.change if feed_checked else None)
+                                                                 read.change if feed_checked else None, owner)
             if booked is None:  # the roster moved: read it again
                 held.forget()
                 continue
@@ -276,7 +275,8 @@ class Router:
 
     # --- the full read ------------------------------------------------------------------
     async def _route_with_state(self, request: RouteRequest, request_id: str, weights: ScoringWeights,
-                                u: float, started: float, exclude: frozenset[str] = frozenset()) -> Outcome:
+                                u: float, started: float, exclude: frozenset[str] = frozenset(),
+                                owner: str = "") -> Outcome:
         """The decision on a full read of the model's state: read, filter (circuits, busy
         thresholds), keep the session's worker, then select and book in Redis."""
         model = request.model
@@ -302,7 +302,7 @@ class Router:
                 fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
                 scales = scales[index:index + 1]
         selection = await self._select_and_book(request, request_id, scores, inputs, credits, read.pages_by_size,
-                                                weights, u, scales, [v.page_size for v in fresh])
+                                                weights, u, scales, [v.page_size for v in fresh], owner)
         booked_inputs = steps.with_loads(inputs, selection.prefill_loads, selection.decode_loads)
         scored = rates.priced_score(scores.n_pages, booked_inputs, weights, pricing, u)
         if scored.chosen != selection.chosen and self.settings.selection == "score":
@@ -382,7 +382,7 @@ class Router:
     async def _select_and_book(self, request: RouteRequest, request_id: str, scores: steps.ScoreInputs,
                                inputs: list[scoring.CandidateInputs], credits: list[float],
                                pages_by_size: dict[int, RequestPages], weights: ScoringWeights,
-                               u: float, scales: list[float], page_sizes: list[int]) -> Selection:
+                               u: float, scales: list[float], page_sizes: list[int], owner: str = "") -> Selection:
         """select_and_book.lua: the choice and its booking, atomic in Redis. `scales`: each
         candidate's priced prefill_load_scale (empty: the weights'). The booking keeps what
         the chosen one's first token waits for, for its rates to learn from."""
@@ -396,7 +396,7 @@ class Router:
                 request.model, request_id, scores.n_pages, scores.decode_pages, steps.booking_offers(inputs, credits),
                 weights.prefill_load_scale, weights.temperature, u, book=request.book,
                 selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs],
-                scales=scales, works=works)
+                scales=scales, works=works, owner=owner)
         except AlreadyBooked as exc:
             raise DuplicateRequest(str(exc)) from None
 
@@ -429,28 +429,32 @@ class Router:
         return Outcome(response, decision)
 
     # --- releases -----------------------------------------------------------------------
-    async def release(self, model: str, request_id: str, stage: ReleaseStage,
-                      ttft_ms: float | None = None) -> ReleaseResponse:
-        """`ttft_ms`: at first token, how long it took as the client measured it (None: the
-        time since the booking); it teaches the worker's rates (router/rates.py)."""
+    async def release(self, model: str, request_id: str, stage: ReleaseStage, ttft_ms: float | None = None,
+                      owner: str = "", client: str = "") -> ReleaseResponse:
+        """`ttft_ms`: at first token, as the client measured it (None: the time since the
+        booking); it teaches the worker's rates. `owner`, `client`: LoadBook.release's."""
         if stage is ReleaseStage.COMPLETE and self._fallback.release(request_id):
             self.metrics.fallback_in_flight.set(len(self._fallback.in_flight))
             self.metrics.releases.labels(stage.value, "fallback").inc()
             return ReleaseResponse(request_id=request_id, released=True)
         held = self.rosters.models.get(model) if self.rosters is not None else None
         if held is None:
-            released = await self.book.release(model, request_id, stage, ttft_ms)
+            released = await self.book.release(model, request_id, stage, ttft_ms, owner, client)
         else:
-            # Under the lock this replica's bookings take, so its own writes never make its
-            # copy of the loads stale; the answer's version keeps the copy exact.
+            # under its bookings' lock: its own writes never stale its copy (the version keeps it exact)
             async with held.lock:
-                released = await self.book.release(model, request_id, stage, ttft_ms)
+                released = await self.book.release(model, request_id, stage, ttft_ms, owner, client)
                 if released.found and held.roster is not None:
                     held.roster.add(released.worker_id, -released.prefill_pages, -released.decode_pages,
                                     released.load_version, released.fit)
+        if released.not_owner:
+            raise NotOwner(f"the booking of {request_id!r} belongs to another client (give its answer's `owner`)")
         self.metrics.releases.labels(stage.value, str(released.found).lower()).inc()
+        if released.sample_refused:
+            self.metrics.rate_samples_refused.labels(released.sample_refused).inc()
         return ReleaseResponse(request_id=request_id, released=released.found, worker_id=released.worker_id,
-                               prefill_pages=released.prefill_pages, decode_pages=released.decode_pages)
+                               prefill_pages=released.prefill_pages, decode_pages=released.decode_pages,
+                               sample_refused=released.sample_refused)
 
     async def close(self) -> None:
         """Stop the index followers and the bookings' own connection (the Redis client is the

@@ -24,3 +24,10 @@ class Busy(RoutingError):
     queue) or be refused with Retry-After."""
 
     status = 503
+
+
+class NotOwner(RoutingError):
+    """A release that does not give the secret of the booking it names (the /v1/route answer's
+    `owner`): only the client that booked may give its load back, or teach by its first token."""
+
+    status = 403

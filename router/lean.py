@@ -113,7 +113,7 @@ class CopyBooking:
 
     async def choose_and_book(self, request: RouteRequest, request_id: str, keys: ModelKeys, held: ModelRoster,
                               lean: LeanInputs, weights: ScoringWeights, u: float,
-                              change: int | None) -> LeanBooked | int | None:
+                              change: int | None, owner: str = "") -> LeanBooked | int | None:
         """Choose on the copy's loads and book (under the model's lock: this replica's load
         writes one at a time). None when the roster moved; the change counter when the feed is
         past `change`, the index's when it gave the overlaps (the index must apply it first)."""
@@ -150,7 +150,7 @@ class CopyBooking:
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
                 marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
                 session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave,
-                work=work, with_rates=self.settings.priced)
+                work=work, with_rates=self.settings.priced, owner=owner)
             if answer.outcome is Checked.BOOKED:
                 if request.book:
                     self._follow_booking(roster, session, worker, prefill_pages, lean.decode_pages, answer.load_version)

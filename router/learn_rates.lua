@@ -2,12 +2,13 @@
 -- so every router replica's releases update the one fit each worker has, and a new replica
 -- reads what the others learned (tests/router/test_rates.py holds the two to the same numbers).
 -- A library: release.lua is prepended with it and calls learn_rate at a first token's release.
--- learn_rate(rates_key, worker, work, ttft, a):
+-- learn_rate(rates_key, worker, work, ttft, a, max_step):
 --   rates_key: the model's rates hash (field: worker id, value: schemas/rates.py's FIT_LAYOUT);
 --   work: {compute, host-load, L3-load tokens the decision predicted}; ttft: the first
 --   token's seconds; a: router/rates.py `fit_arguments`: 1-3 the prior's tokens/s of each
 --   kind, 4 forgetting, 5 outlier errors, 6 error memory, 7 warmup, 8 lowest multiplier,
---   9 highest multiplier, 10 max uncertainty, 11 kinds correlated, 12 change after.
+--   9 highest multiplier, 10 max uncertainty, 11 kinds correlated, 12 change after, 13 the
+--   first token's floor (s).
 -- Returns the worker's fit after the sample, encoded (unchanged when the sample says nothing).
 -- schemas/rates.py FIT_LAYOUT: 15 little-endian doubles (multipliers, covariance, mean error,
 -- samples, streak); exact, and far cheaper than writing and parsing 17-digit decimals.
@@ -17,7 +18,9 @@ local function encode_fit(v)
                      v[13], v[14], v[15])
 end
 
-local function learn_rate(rates_key, worker, work, ttft, a)
+-- max_step: the most one sample may move a multiplier, relative to it (0: no bound): a sample
+-- a client reported (router/rates.py ClientSamples), not one the router timed.
+local function learn_rate(rates_key, worker, work, ttft, a, max_step)
   local forgetting, outliers, memory_w = tonumber(a[4]), tonumber(a[5]), tonumber(a[6])
   local warmup, low, high = tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
   local max_uncertainty, rho, change_after = tonumber(a[10]), tonumber(a[11]), tonumber(a[12])
@@ -37,6 +40,7 @@ local function learn_rate(rates_key, worker, work, ttft, a)
   if not (ttft > 0) or not (nominal[1] > 0 or nominal[2] > 0 or nominal[3] > 0) then
     return held or encode_fit(f)
   end
+  ttft = math.max(ttft, tonumber(a[13]))  -- under the clocks' resolution: the floor
   local theta = {f[1], f[2], f[3]}
   local p = {f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]}
   local err_s, samples, streak_was = f[13], f[14], f[15]
@@ -64,7 +68,11 @@ local function learn_rate(rates_key, worker, work, ttft, a)
   local denominator = ((forgetting + x[1] * px[1]) + x[2] * px[2]) + x[3] * px[3]
   local gain = {px[1] / denominator, px[2] / denominator, px[3] / denominator}
   local out = {}
-  for i = 1, 3 do out[i] = math.min(math.max(theta[i] + gain[i] * err, low), high) end
+  for i = 1, 3 do
+    local m = theta[i] + gain[i] * err
+    if max_step > 0 then m = math.min(math.max(m, theta[i] * (1 - max_step)), theta[i] * (1 + max_step)) end
+    out[i] = math.min(math.max(m, low), high)
+  end
   for i = 0, 2 do
     for j = 0, 2 do
       out[4 + 3 * i + j] = (p[3 * i + j + 1] - gain[i + 1] * px[j + 1]) / forgetting

@@ -149,6 +149,9 @@ class RouterMetrics:
         self.tokenize_seconds = Histogram("router_tokenize_seconds",
                                           "Tokenizing an OpenAI-API request (chat template included), in the pool",
                                           buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokenize_timeouts = Counter("router_tokenize_timeouts",
+                                         "OpenAI-API requests refused (413) because their rendering and "
+                                         "tokenizing took longer than --tokenize-timeout", registry=r)
         # Proxied requests (--proxy): what the user feels, by the worker chosen, the routing mode
         # (kv, load, round-robin, random) and the tier that held most of the chosen worker's
         # overlap (device, host, disk, shared; none without overlap), so modes can be A/B-ed live.

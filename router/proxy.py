@@ -37,8 +37,10 @@ from kvtier.schemas.subjects import name_of_token
 
 from . import rates
 from .admission import AdmissionQueue
+from .answers import AnswerTail, Relay, answer_headers, malformed
 from .core import Outcome, Router, RoutingError
 from .refusals import OPENAI_PATHS, Refused, check_budget, check_tokens, decode_body, error_response, json_encoder
+from .releases import Releases
 from .service_settings import ServiceSettings
 from .tokenization_watch import TokenizationWatch
 
@@ -52,6 +54,10 @@ PROXY_BOOKING_PREFIX = "proxy:"
 #: 5xx statuses counted under their own reason in router_upstream_failures (any other 5xx is
 #: "status_5xx"); every 5xx before the first byte of an answer migrates the request.
 _NAMED_STATUSES = frozenset({500, 502, 503, 504})
+#: What a chat's size counts for each message beyond its text: the role and the markers the
+#: template wraps it in (a few to a few dozen bytes in common templates), so a chat of many
+#: empty messages is as large as what it renders.
+CHAT_MESSAGE_BYTES = 32
 #: Text prompts longer than this (bytes) are tokenized in a pool of their own, so a few long
 #: prompts never hold back the short ones.
 _LONG_PROMPT_BYTES = 64 << 10
@@ -86,10 +92,10 @@ class Proxy:
         self._long_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                 thread_name_prefix="kvtier-tokenize-long")
         self.tokenization = TokenizationWatch(router, settings.stored_page_check_s, self._tokenizers)
-        self._releases: set[asyncio.Task] = set()
+        self.releases = Releases(router, queue.notify)
         #: The answers being relayed now, so a drain that runs out of time can end each one
         #: with the error event instead of a cut connection.
-        self._relays: set[_Relay] = set()
+        self._relays: set[Relay] = set()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -102,45 +108,6 @@ class Proxy:
         for model, tokenizer in self._tokenizers.items():
             if (cache := tokenizer.piece_cache) is not None:
                 self.metrics.tokenizer_cache_bytes.labels(model).set(cache.bytes)
-
-    # --- releases: a task of their own each, so no exit path of a handler loses one ----------
-    def _release_later(self, model: str, request_id: str, stage: ReleaseStage, ttft_ms: float | None = None,
-                       after: asyncio.Future | None = None) -> asyncio.Task:
-        """Release in a task this proxy holds until it ends: a handler cancelled (client gone,
-        drain cut) while its release waits for Redis or the roster's lock cannot lose it, and
-        `settle` waits for every one before Redis closes. `after`: a release that must land
-        first (the first token's, before the end's)."""
-        task = asyncio.get_running_loop().create_task(self._release(model, request_id, stage, ttft_ms, after))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-        return task
-
-    async def _release(self, model: str, request_id: str, stage: ReleaseStage, ttft_ms: float | None,
-                       after: asyncio.Future | None) -> None:
-        if after is not None:
-            await asyncio.wait([after])
-        try:
-            await self.router.release(model, request_id, stage, ttft_ms)
-            self.queue.notify()
-        except Exception as exc:  # noqa: BLE001 - a lost release only delays expiry
-            self.metrics.releases_lost.inc()
-            log.warning("could not release %s (%s) of request %s: %s", stage.value, model, request_id, exc)
-
-    async def _release_quietly(self, model: str, request_id: str, stage: ReleaseStage,
-                               ttft_ms: float | None = None, after: asyncio.Future | None = None) -> None:
-        """The release, awaited; a cancellation of the caller leaves it running."""
-        await asyncio.shield(self._release_later(model, request_id, stage, ttft_ms, after))
-
-    async def settle(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for the releases under way (before the Redis client closes);
-        the number still unfinished (their bookings expire after --booking-ttl)."""
-        pending = set(self._releases)
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=timeout_s)
-        if pending:
-            log.warning("%d releases did not finish before the stop; their bookings expire after --booking-ttl",
-                        len(pending))
-        return len(pending)
 
     # --- the handlers ---------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -192,8 +159,13 @@ class Proxy:
         model = self._model_of(body.model)
         check_budget(body.output_budget, "max_tokens", self.settings)
         tokenizer = self._tokenizer(model)
-        # the text the template is given (contents, tool calls, tools, kwargs) bounds what it renders
-        size = body.text_bytes()
+        count = len(body.messages)
+        if count > self.settings.max_chat_messages:
+            raise Refused(413, f"messages has {count} messages; this router renders at most "
+                               f"{self.settings.max_chat_messages} (--max-chat-messages)")
+        # the text the template is given (contents, tool calls, tools, kwargs), and what it wraps
+        # each message in, bound what it renders
+        size = body.text_bytes() + count * CHAT_MESSAGE_BYTES
         self._check_prompt_bytes(size, "messages")
         try:
             chat = await self._off_loop(tokenizer.tokenize_chat_request, body, size)
@@ -239,11 +211,19 @@ class Proxy:
 
     async def _off_loop(self, fn, argument, size: int = 0):
         """Tokenization in a pool, so a long prompt never stalls other requests' decisions; a
-        long one (`size` bytes) in a pool of its own, so it never stalls the short ones."""
+        long one (`size` bytes) in a pool of its own, so it never stalls the short ones. Past
+        --tokenize-timeout (waiting in the pool included) the request is refused: one not begun
+        yet never runs, one running is left to finish in its thread (Python cannot stop it)."""
         started = time.perf_counter()
         pool = self._long_pool if size > _LONG_PROMPT_BYTES else self._pool
+        future = pool.submit(fn, argument)
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, argument)
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.settings.tokenize_timeout_s)
+        except asyncio.TimeoutError:
+            future.cancel()
+            self.metrics.tokenize_timeouts.inc()
+            raise Refused(413, f"rendering and tokenizing this prompt took longer than "
+                               f"{self.settings.tokenize_timeout_s:g} s (--tokenize-timeout)") from None
         finally:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
 
@@ -283,11 +263,11 @@ class Proxy:
                             decision.worker_url, upstream.status)
                 return f"status_{upstream.status}" if upstream.status in _NAMED_STATUSES else "status_5xx"
             first = await upstream.content.readany()
-            malformed = _malformed(upstream, first)
-            if malformed:
+            unusable = malformed(upstream, first)
+            if unusable:
                 upstream.close()
                 log.warning("worker %s at %s answered nothing usable: %s", decision.worker_id, decision.worker_url,
-                            malformed)
+                            unusable)
                 return "malformed"
             return upstream, first
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
@@ -349,7 +329,7 @@ class Proxy:
             router_s = time.perf_counter() - received
             attempt = await self._try_worker(model, decision, request.path, raw, upstream_headers, why)
             if isinstance(attempt, str):
-                await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+                await self.releases.awaited(model, decision.request_id, ReleaseStage.COMPLETE)
                 tried.append(decision.worker_id)
                 if len(tried) > self.settings.migration_limit:
                     return self._none_answered(tried, why, openai)
@@ -357,7 +337,7 @@ class Proxy:
                 continue
             self.router.breaker.succeeded(model, decision.worker_id)
             upstream, first = attempt
-            relay = _Relay(upstream, streamed=upstream.content_type == "text/event-stream")
+            relay = Relay(upstream, streamed=upstream.content_type == "text/event-stream")
             self._relays.add(relay)
             try:
                 return await self._relay(request, route, outcome, relay, first, received, router_s, tried,
@@ -365,7 +345,7 @@ class Proxy:
             finally:
                 self._relays.discard(relay)
                 upstream.close()
-                await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE,
+                await self.releases.awaited(model, decision.request_id, ReleaseStage.COMPLETE,
                                             after=relay.first_token_release)
 
     async def _decided(self, route: RouteRequest, tried: list[str]) -> Outcome:
@@ -378,7 +358,7 @@ class Proxy:
             raise
         except BaseException:
             assert route.request_id is not None
-            self._release_later(route.model, route.request_id, ReleaseStage.COMPLETE)
+            self.releases.later(route.model, route.request_id, ReleaseStage.COMPLETE)
             raise
 
     async def _try_worker(self, model: str, decision: RouteResponse, path: str, raw: bytes,
@@ -392,7 +372,7 @@ class Proxy:
         try:
             attempt = await self._first_byte(decision, path, raw, headers)
         except BaseException:
-            await self._release_quietly(model, decision.request_id, ReleaseStage.COMPLETE)
+            await self.releases.awaited(model, decision.request_id, ReleaseStage.COMPLETE)
             raise
         if isinstance(attempt, str):
             self._worker_failed(model, decision.worker_id, attempt)
@@ -406,14 +386,14 @@ class Proxy:
         response.headers["X-Kvtier-Tried"] = ",".join(tried)
         return response
 
-    async def _relay(self, request: web.Request, route: RouteRequest, outcome: Outcome, relay: _Relay,
+    async def _relay(self, request: web.Request, route: RouteRequest, outcome: Outcome, relay: Relay,
                      first: bytes, received: float, router_s: float, tried: list[str],
                      tokenized: bool) -> web.StreamResponse:
         decision, model, upstream, streamed = outcome.response, route.model, relay.upstream, relay.streamed
-        headers = _answer_headers(decision, router_s, tried)
+        headers = answer_headers(decision, router_s, tried)
         self.metrics.proxy_overhead.observe(router_s)
         labels = (decision.worker_id, self.settings.routing_mode, decision.overlap.dominant_tier())
-        answer = _AnswerTail() if tokenized else None
+        answer = AnswerTail() if tokenized else None
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type
         ok = upstream.status == 200
@@ -425,7 +405,7 @@ class Proxy:
                 now = time.perf_counter()
                 self.metrics.ttft.labels(*labels).observe(now - received)
                 first_token_ms = max((now - received - router_s) * 1000, 0.001)
-            relay.first_token_release = self._release_later(model, decision.request_id, ReleaseStage.FIRST_TOKEN,
+            relay.first_token_release = self.releases.later(model, decision.request_id, ReleaseStage.FIRST_TOKEN,
                                                             first_token_ms)
         await response.prepare(request)
         chunk = first
@@ -457,7 +437,7 @@ class Proxy:
         return response
 
     async def _end_broken_answer(self, response: web.StreamResponse, decision: RouteResponse,
-                                 exc: BaseException | None, relay: _Relay) -> bool:
+                                 exc: BaseException | None, relay: Relay) -> bool:
         """The worker failed mid-answer, or the drain cut it (`relay.cut`): counted and logged.
         A stream has begun (its status is sent), so it ends with an error event, which OpenAI
         clients raise, and `[DONE]`, instead of a connection cut short: True. A whole body
@@ -491,51 +471,6 @@ class Proxy:
         return len(relays)
 
 
-class _Relay:
-    """One answer being relayed: its upstream, whether it streams, the release of its first
-    token (the end's release waits for it), and why the drain cut it ("" while it runs)."""
-
-    __slots__ = ("cut", "first_token_release", "streamed", "upstream")
-
-    def __init__(self, upstream: aiohttp.ClientResponse, streamed: bool) -> None:
-        self.upstream, self.streamed = upstream, streamed
-        self.first_token_release: asyncio.Task | None = None
-        self.cut = ""
-
-
-def _malformed(upstream: aiohttp.ClientResponse, first: bytes) -> str:
-    """Why a 2xx answer's first chunk cannot be the start of an answer ("" when it can): an
-    answer that ends before its first byte, or a stream whose first bytes are not an event.
-    Such an engine is as broken as one that refuses: nothing has reached the client yet."""
-    if upstream.status != 200:
-        return ""
-    if not first:
-        return "the answer ended before its first byte"
-    if upstream.content_type == "text/event-stream":
-        # (a chunk may end inside the first field's name: a prefix of one is not malformed)
-        head = first.lstrip()[:6]
-        if head and not any(head.startswith(start) or start.startswith(head) for start in _SSE_STARTS):
-            return f"a stream whose first bytes are not an event: {first[:40]!r}"
-    return ""
-
-
-#: How a server-sent event's first line begins (a field, or a comment).
-_SSE_STARTS = (b"data:", b"event:", b"id:", b"retry:", b":")
-
-
-def _answer_headers(decision: RouteResponse, router_s: float, tried: list[str]) -> dict[str, str]:
-    headers = {"X-Kvtier-Worker": decision.worker_id, "X-Kvtier-Request-Id": decision.request_id,
-               # the router's share of this request's latency, per request, for whoever debugs it
-               "X-Kvtier-Router-Ms": f"{router_s * 1000:.3f}"}
-    if decision.degraded:
-        headers["X-Kvtier-Degraded"] = ",".join(decision.degraded)
-    if tried:
-        headers["X-Kvtier-Tried"] = ",".join(tried)
-    if decision.affinity:
-        headers["X-Kvtier-Affinity"] = decision.affinity
-    return headers
-
-
 _session_decoder = msgspec.json.Decoder(SessionId)
 
 
@@ -548,25 +483,3 @@ def _session_id(header: str) -> str:
 
 def _proxy_booking_id() -> str:
     return PROXY_BOOKING_PREFIX + uuid.uuid4().hex
-
-
-class _AnswerTail:
-    """What the usage check needs of a proxied answer: all of a JSON body (up to a bound), or
-    the last part of a stream, where the usage event comes."""
-
-    WHOLE_LIMIT = 8 << 20
-    TAIL = 64 << 10
-
-    def __init__(self) -> None:
-        self._chunks: list[bytes] = []
-        self._size = 0
-
-    def add(self, chunk: bytes, keep_all: bool) -> None:
-        self._chunks.append(chunk)
-        self._size += len(chunk)
-        limit = self.WHOLE_LIMIT if keep_all else self.TAIL
-        while self._size - len(self._chunks[0]) >= limit and len(self._chunks) > 1:
-            self._size -= len(self._chunks.pop(0))
-
-    def bytes(self) -> bytes:
-        return b"".join(self._chunks)

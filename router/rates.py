@@ -58,11 +58,42 @@ class FitSettings:
     #: slower card computes and loads slower): what is learned of its compute, which every
     #: request shows, carries over to its loads until they are seen themselves.
     kinds_correlated: float = 0.9
+    #: A first token timed under this (s) is taken as this: the clocks that time it (ms in
+    #: Redis, a client's) cannot tell shorter times apart, and a time of nearly nothing would
+    #: otherwise drive the fit to its lower bound at once.
+    first_token_floor_s: float = 0.001
 
     def first_fit(self) -> RateFit:
         """A worker's fit before its first sample: the prior's rates, unsure by one."""
         rho = self.kinds_correlated
         return RateFit(covariance=(1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0))
+
+
+@dataclass(frozen=True)
+class ClientSamples:
+    """What a first-token time a client reports (POST /v1/release to a router without
+    --auth-token, where anyone may) can teach, so that no single client moves a worker's fit
+    more than a bounded amount per minute, whatever it reports: its fit changes on evidence
+    from many bookings, not from one client's story. The proxy's own timings, and a router's
+    clients that hold its token, teach in full.
+
+    With the defaults one client moves a multiplier at most 1.015^6 = 9.3% a minute, within
+    the EQUAL_WITHIN at which workers are priced alike: it cannot turn a tie in a minute."""
+
+    #: Samples one client (its address) may teach each worker per minute; past them a
+    #: release still gives the load back, and teaches nothing (reason "budget").
+    per_minute: int = 6
+    #: The most one such sample moves a multiplier, relative to it.
+    max_step: float = 0.015
+    #: A reported first token longer than the booking has lived, by more than this, is not a
+    #: first token (reason "late").
+    late_slack_ms: float = 100.0
+
+
+CLIENT_SAMPLES = ClientSamples()
+
+#: Why a release's first-token time taught nothing (router_rate_samples_refused_total).
+SAMPLE_REFUSALS = ("budget", "late")
 
 
 #: The rates every router learns with (kvtier's defaults; the fit learns each worker's
@@ -82,7 +113,7 @@ def fit_arguments(prior: RatePrior, settings: FitSettings) -> list[str]:
     return [repr(prior.compute_tokens_per_s), repr(prior.host_load_tokens_per_s), repr(prior.l3_load_tokens_per_s),
             repr(settings.forgetting), repr(settings.outlier_errors), repr(settings.error_memory),
             str(settings.warmup), repr(settings.bounds[0]), repr(settings.bounds[1]), repr(settings.max_uncertainty),
-            repr(settings.kinds_correlated), str(settings.change_after)]
+            repr(settings.kinds_correlated), str(settings.change_after), repr(settings.first_token_floor_s)]
 
 
 @dataclass(frozen=True)
@@ -121,10 +152,11 @@ def predict_s(fit: RateFit, prior: RatePrior, work: Work) -> float:
     return sum(m * x for m, x in zip(fit.multipliers, work.nominal_s(prior)))
 
 
-def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings: FitSettings = FitSettings()
-            ) -> RateFit:
+def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings: FitSettings = FitSettings(),
+            max_step: float = 0.0) -> RateFit:
     """The fit after one first token that took `ttft_s` for `work`. A sample that says nothing
-    (no work predicted, a time that is not positive) leaves the fit as it was.
+    (no work predicted, a time that is not positive) leaves the fit as it was. `max_step`: the
+    most the sample may move each multiplier, relative to it (0: no bound; ClientSamples).
 
     Each sample is taken relative to what the fit predicted for it (regressors and time divided
     by the prediction), so a 40 ms first token teaches as much as a 2 s one, and the forgetting
@@ -132,6 +164,7 @@ def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings:
     nominal = work.nominal_s(prior)
     if not ttft_s > 0 or not any(v > 0 for v in nominal):
         return fit
+    ttft_s = max(ttft_s, settings.first_token_floor_s)
     theta, p = fit.multipliers, fit.covariance
     predicted = sum(m * v for m, v in zip(theta, nominal))  # > 0: multipliers are bounded above 0
     x = [v / predicted for v in nominal]
@@ -150,7 +183,10 @@ def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings:
     denominator = settings.forgetting + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
     gain = [v / denominator for v in px]
     low, high = settings.bounds
-    multipliers = tuple(min(max(theta[i] + gain[i] * error, low), high) for i in range(3))
+    moved = [theta[i] + gain[i] * error for i in range(3)]
+    if max_step > 0:
+        moved = [min(max(m, theta[i] * (1 - max_step)), theta[i] * (1 + max_step)) for i, m in enumerate(moved)]
+    multipliers = tuple(min(max(m, low), high) for m in moved)
     covariance = [(p[3 * i + j] - gain[i] * px[j]) / settings.forgetting for i in range(3) for j in range(3)]
     trace = covariance[0] + covariance[4] + covariance[8]
     if trace > settings.max_uncertainty:

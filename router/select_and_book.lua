@@ -21,7 +21,8 @@
 --       the formula priced at its rates, router/rates.py), or "" for ARGV 7 for every worker;
 --       18 each worker's predicted work ("recompute host-load L3-load page-size", comma-
 --       separated): the chosen one's, with its booked prefill ahead added to the compute, is
---       kept in the booking for release.lua to learn from ("": none)
+--       kept in the booking for release.lua to learn from ("": none), 19 the digest of the
+--       booking's owner secret, which a client's release must give (release.lua; "": none)
 -- Returns {chosen index (1-based) | -1 when the request id is already booked,
 --          worker prefill loads..., worker decode loads...} (loads as read before booking).
 local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -86,6 +87,7 @@ if book then
   add_load(LOAD.decode, worker, decode_pages)
   loads_changed()
   redis.call('HSET', bk, 'worker', worker, 'prefill', prefill_pages, 'decode', decode_pages)
+  if (ARGV[19] or '') ~= '' then redis.call('HSET', bk, 'owner', ARGV[19]) end
   local k = 0
   for work in string.gmatch(ARGV[18] or '', '[^,]+') do
     k = k + 1

@@ -1,7 +1,7 @@
 """`kvtier router`: the HTTP edge of a stateless router replica.
 
   POST /v1/route      {"model", "token_ids", "request_id"?, "overrides"?, "max_new_tokens"?, "book"?}
-  POST /v1/release    {"model", "request_id", "stage": "first_token" | "complete", "ttft_ms"?}
+  POST /v1/release    {"model", "request_id", "owner", "stage": "first_token" | "complete", "ttft_ms"?}
   POST /generate      (--proxy) SGLang's native API with input_ids: routed, forwarded, streamed back
   POST /v1/completions, /v1/chat/completions, GET /v1/models
                       (--proxy) the OpenAI-compatible API: text is tokenized here with the model's
@@ -23,7 +23,9 @@ import hmac
 import logging
 import os
 import random
+import secrets
 import time
+import uuid
 
 import msgspec
 from aiohttp import web
@@ -45,12 +47,14 @@ from kvtier.schemas.routing import (
     AdmissionChange,
     AdmissionSettings,
     ReleaseRequest,
+    ReleaseStage,
     RouteRequest,
 )
 
 from .admission import SHUTTING_DOWN, AdmissionQueue, Refusal
 from .config import RouterConfig
 from .core import Outcome, Router, RoutingError
+from .errors import NotOwner
 from .http_guard import CLOSE_REASONS, GuardStats, guarded_runner
 from .metrics import replica_registry
 from .processes import ProcessSlot
@@ -58,7 +62,7 @@ from .proxy import PROXY_BOOKING_PREFIX, Proxy, export_circuits
 from .refusals import OPENAI_PATHS, Refused, check_budget, check_tokens, decode_body, error_response, json_encoder
 from .service_settings import ServiceSettings
 from .settings import SharedCacheType
-from .siblings import tell_siblings, with_siblings
+from .siblings import admission_answer, tell_siblings, with_siblings
 from .state import read_engine_queues
 
 __all__ = ("PROXY_BOOKING_PREFIX", "Refused", "RouterConfig", "RouterService", "ServiceSettings", "run_router",
@@ -137,7 +141,7 @@ class RouterService:
             # awaited, so no housekeeping pass runs on after the Redis client is closed
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)
-        await self.proxy.settle(_SETTLE_S)
+        await self.proxy.releases.settle(_SETTLE_S)
         await self.router.close()
         await self.proxy.close()
 
@@ -156,19 +160,10 @@ class RouterService:
         path = request.path
         if path == "/healthz" or (path == "/metrics" and not self.settings.protect_metrics):
             return None
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if not header:
-            message, error = ("missing bearer token: this router requires 'Authorization: Bearer <token>' "
-                              "(its --auth-token)"), "invalid_request"
-        elif scheme.lower() != "bearer" or not given.strip():
-            message, error = "the Authorization header must be 'Bearer <token>'", "invalid_request"
-        # surrogateescape: a header byte that is not UTF-8 (aiohttp keeps it as a surrogate)
-        # compares as itself instead of failing the encode
-        elif hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token.encode()):
+        refused = _bearer_refusal(request, token)
+        if refused is None:
             return None
-        else:
-            message, error = "invalid bearer token", "invalid_token"
+        message, error = refused
         response = error_response(401, message, self.metrics)
         response.headers["WWW-Authenticate"] = f'Bearer realm="kvtier-router", error="{error}"'
         return response
@@ -227,17 +222,19 @@ class RouterService:
             raw = await request.read()
             change = decode_body(raw, AdmissionChange)
             self._apply_admission(change.applied_to(self.router.settings.admission))
-            log.warning("admission changed: %s", self.router.settings.admission)
-            if request.query.get("scope") != "process":
-                await tell_siblings(self.settings.process, "PUT", "/v1/admission?scope=process", raw,
-                                    request.headers)
+            log.warning("admission changed on this replica: %s", self.router.settings.admission)
+            replies = [] if request.query.get("scope") == "process" else await tell_siblings(
+                self.settings.process, "PUT", "/v1/admission?scope=process", raw, request.headers)
+            answer = admission_answer(self.router.settings.admission, self.router.router_id,
+                                      self.settings.process, replies)
+            return web.Response(body=json_encoder.encode(answer), content_type="application/json")
         return web.Response(body=json_encoder.encode(self.router.settings.admission), content_type="application/json")
 
-    async def _decide(self, route: RouteRequest, exclude: frozenset[str] = frozenset()) -> Outcome:
+    async def _decide(self, route: RouteRequest, exclude: frozenset[str] = frozenset(), owner: str = "") -> Outcome:
         """A decision, waiting in the queue while every candidate is busy; past the queue's
         bounds a refusal with Retry-After."""
         try:
-            return await self.queue.admit(lambda: self.router.route(route, exclude=exclude))
+            return await self.queue.admit(lambda: self.router.route(route, exclude=exclude, owner=owner))
         except Refusal as exc:
             self.metrics.admission_refusals.labels(exc.reason).inc()
             raise Refused(exc.status, str(exc), {"Retry-After": str(exc.retry_after_s)}) from None
@@ -271,22 +268,39 @@ class RouterService:
         check_tokens(len(body.token_ids), "token_ids", self.settings)
         check_budget(body.max_new_tokens, "max_new_tokens", self.settings)
         self._check_client_id(body.request_id)
+        if body.request_id is None:  # named here, so a decision cut short can give its booking back
+            body = msgspec.structs.replace(body, request_id=uuid.uuid4().hex)
+        owner = secrets.token_urlsafe(16) if body.book else ""
         try:
-            outcome = await self._decide(body)
+            outcome = await self._decide(body, owner=owner)
         except RoutingError as exc:
             return error_response(exc.status, str(exc), self.metrics)
-        headers = {"X-Kvtier-Worker": outcome.response.worker_id}
-        if outcome.response.degraded:
-            headers["X-Kvtier-Degraded"] = ",".join(outcome.response.degraded)
-        return web.Response(body=json_encoder.encode(outcome.response), content_type="application/json",
-                            headers=headers)
+        except Refused:
+            raise
+        except BaseException:
+            # the client went away (or the drain cut it) after the booking script may have run:
+            # nobody holds its owner secret, so the router gives it back
+            self.proxy.releases.hold(self.router.release(body.model, body.request_id, ReleaseStage.COMPLETE))
+            raise
+        answer = msgspec.structs.replace(outcome.response, owner=owner) if outcome.response.booked else outcome.response
+        headers = {"X-Kvtier-Worker": answer.worker_id}
+        if answer.degraded:
+            headers["X-Kvtier-Degraded"] = ",".join(answer.degraded)
+        return web.Response(body=json_encoder.encode(answer), content_type="application/json", headers=headers)
 
     async def release(self, request: web.Request) -> web.Response:
         body = decode_body(await request.read(), ReleaseRequest)
         self._check_client_id(body.request_id)
+        # With a token every client holds the operator's secret: its first tokens teach in full.
+        # Without one anyone may release (its own bookings), so what it reports is bounded.
+        client = "" if self.settings.auth_token else (request.remote or "unknown")
         try:
-            released = await self.router.release(body.model, body.request_id, body.stage, body.ttft_ms)
+            # held apart from this handler: a client gone mid-release cannot lose it
+            released = await asyncio.shield(self.proxy.releases.hold(self.router.release(
+                body.model, body.request_id, body.stage, body.ttft_ms, body.owner, client)))
             self.queue.notify()
+        except NotOwner as exc:
+            return error_response(exc.status, str(exc), self.metrics)
         except Exception as exc:  # noqa: BLE001 - the store is down: the booking expires by itself
             return error_response(503, f"state store unavailable ({type(exc).__name__}: {exc}); the booking "
                                        "expires after --booking-ttl")
@@ -354,7 +368,10 @@ class RouterService:
             body = msgspec.structs.replace(body, processes=[self._process_health(self.settings.process.index, body)])
         slot = self.settings.process
         if slot is not None and request.query.get("scope") != "process":
-            body = await self._with_siblings(body, slot)
+            body = await self._with_siblings(body, slot, request)
+        if self.settings.auth_token and _bearer_refusal(request, self.settings.auth_token) is not None:
+            body = RouterHealth(status=body.status, routing=body.routing,
+                                state_store=StateStoreHealth(ok=body.state_store.ok), summary_only=True)
         # 503 while draining, so a load balancer's health check takes this replica out first
         return web.Response(status=503 if self.draining else 200, body=json_encoder.encode(body),
                             content_type="application/json")
@@ -364,13 +381,30 @@ class RouterService:
                              in_flight=self.in_flight, queue_depth=self.queue.depth,
                              indexes_ready=all(i.ready for i in health.indexes))
 
-    async def _with_siblings(self, own: RouterHealth, slot: ProcessSlot) -> RouterHealth:
-        answers = await tell_siblings(slot, "GET", "/healthz?scope=process")
+    async def _with_siblings(self, own: RouterHealth, slot: ProcessSlot, request: web.Request) -> RouterHealth:
+        answers = await tell_siblings(slot, "GET", "/healthz?scope=process", headers=request.headers)
         return with_siblings(own, self._process_health(slot.index, own), slot, answers)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(replica_registry(self.metrics.registry)),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _bearer_refusal(request: web.Request, token: str) -> tuple[str, str] | None:
+    """Why the request's bearer token is not `token` (the message, the WWW-Authenticate error),
+    or None when it is. Compared in constant time."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if not header:
+        return ("missing bearer token: this router requires 'Authorization: Bearer <token>' (its --auth-token)",
+                "invalid_request")
+    if scheme.lower() != "bearer" or not given.strip():
+        return "the Authorization header must be 'Bearer <token>'", "invalid_request"
+    # surrogateescape: a header byte that is not UTF-8 (aiohttp keeps it as a surrogate)
+    # compares as itself instead of failing the encode
+    if hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token.encode()):
+        return None
+    return "invalid bearer token", "invalid_token"
 
 
 async def run_router_service(router: Router, settings: ServiceSettings, host: str, port: int,

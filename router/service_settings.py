@@ -24,6 +24,10 @@ class ServiceSettings:
     #: the largest text prompt (UTF-8 bytes, all of a chat's messages together) tokenized here;
     #: checked before tokenizing, which costs ~1 s of CPU and ~100 MB per MB of text
     max_prompt_bytes: int
+    #: the most messages in one chat: each costs the template a turn to render, text or none
+    max_chat_messages: int
+    #: the longest one request's rendering and tokenizing may take (seconds), else 413
+    tokenize_timeout_s: float
     #: connections kept open to one worker: its own pool, so slow streams on one worker never
     #: hold back requests to another (past it a request waits, up to the connect timeout)
     upstream_connections_per_worker: int

@@ -11,6 +11,7 @@ import msgspec
 from aiohttp import ClientSession, ClientTimeout
 
 from kvtier.schemas.router_health import ProcessHealth, RouterHealth, decode_router_health
+from kvtier.schemas.routing import AdmissionAnswer, AdmissionSettings
 
 from .processes import SIBLING_TIMEOUT_S, ProcessSlot
 
@@ -28,7 +29,7 @@ async def tell_siblings(slot: ProcessSlot | None, method: str, path: str, body: 
             async with session.request(method, f"http://127.0.0.1:{entry['port']}{path}", data=body,
                                        headers=forwarded) as reply:
                 data = await reply.read()
-                return entry, data if reply.status < 500 or method == "GET" else None
+                return entry, data if reply.status < 300 or method == "GET" else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return entry, None
 
@@ -60,3 +61,16 @@ def with_siblings(own: RouterHealth, own_process: ProcessHealth, slot: ProcessSl
     statuses = {p.status for p in processes}
     status = ("draining" if "draining" in statuses else "ok" if statuses == {"ok"} else "degraded")
     return msgspec.structs.replace(own, status=status, processes=sorted(processes, key=lambda p: p.index))
+
+
+def admission_answer(settings: AdmissionSettings, router_id: str, slot: ProcessSlot | None,
+                     replies: list[tuple[dict, bytes | None]]) -> AdmissionAnswer:
+    """PUT /v1/admission's answer: `settings` in force on this replica, with the processes that
+    took the change (`replies`: the siblings' answers, None where one did not answer 2xx)."""
+    own = f"process {slot.index}" if slot is not None else "process 0"
+    applied: list[str] = [own]
+    missing: list[str] = []
+    for entry, body in replies:
+        (applied if body is not None else missing).append(f"process {entry.get('index')}")
+    return AdmissionAnswer(**msgspec.structs.asdict(settings), router_id=router_id,
+                           applied=sorted(applied), not_applied=sorted(missing))

@@ -211,6 +211,10 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     #: Every process of a replica started with --processes N, the one answering included; its
     #: status is the worst of theirs. [] for a replica of one process.
     processes: list[ProcessHealth] = []
+    #: True: this router has --auth-token and the request did not give it, so only the status,
+    #: the routing and whether the state store answers are shown (a load balancer's check
+    #: needs no more; the workers' rates, queues and circuits are the operator's).
+    summary_only: bool = False
 
     @property
     def reads_index(self) -> bool:

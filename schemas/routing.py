@@ -33,6 +33,8 @@ def check_token_ids(ids: list[int], field: str) -> None:
 Weight = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+#: A booking's owner secret as the router hands it out (secrets.token_urlsafe).
+OwnerSecret = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
 DECISION_SCHEMA_VERSION = 1
 
@@ -143,6 +145,26 @@ class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
     #: With a session id: "kept" (its worker is also the formula's choice), "overrode" (its
     #: worker was chosen over the formula's), "" (no session, or its worker was not available).
     affinity: str = ""
+    #: The booking's owner secret (POST /v1/route with `book`): /v1/release of this booking
+    #: needs it. "" on dry runs, and on the proxy's own bookings, which no client releases.
+    owner: str = ""
+
+
+#: Upper bounds of the busy thresholds (`AdmissionSettings`, `AdmissionChange` and the settings
+#: stored for the deployment in Redis all use them). Far past any engine: the largest KV pools
+#: hold ~10^7 tokens, and an H100 prefills ~10^4-10^5 tokens/s, so 10^9 queued prompt tokens is
+#: hours of prefill and 10^8 pages more KV than any pool holds. A larger value is a typo (or a
+#: unit mistake), refused with a 400 instead of silently switching the threshold off.
+MAX_BUSY_PREFILL_TOKENS = 1_000_000_000
+MAX_BUSY_DECODE_PAGES = 100_000_000
+#: The queue's bounds: a million waiting requests, an hour's wait.
+MAX_QUEUE_SIZE = 1_000_000
+MAX_QUEUE_TIMEOUT_S = 3600.0
+
+BusyPrefillTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_BUSY_PREFILL_TOKENS)]
+BusyDecodePages = Annotated[int, msgspec.Meta(ge=0, le=MAX_BUSY_DECODE_PAGES)]
+QueueSize = Annotated[int, msgspec.Meta(ge=0, le=MAX_QUEUE_SIZE)]
+QueueTimeout = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_QUEUE_TIMEOUT_S)]
 
 
 class AdmissionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -150,23 +172,41 @@ class AdmissionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     or over a threshold takes no new request; when every candidate is, a request waits in the
     queue. 0: no threshold."""
 
-    busy_prefill_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    busy_decode_pages: Annotated[int, msgspec.Meta(ge=0)] = 0
-    queue_size: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 256
-    queue_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 10.0
+    busy_prefill_tokens: BusyPrefillTokens = 0
+    busy_decode_pages: BusyDecodePages = 0
+    queue_size: QueueSize = 256
+    queue_timeout_s: QueueTimeout = 10.0
 
 
 class AdmissionChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """PUT /v1/admission: the fields given change, the others stay as they are."""
 
-    busy_prefill_tokens: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
-    busy_decode_pages: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
-    queue_size: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | msgspec.UnsetType = msgspec.UNSET
-    queue_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] | msgspec.UnsetType = msgspec.UNSET
+    busy_prefill_tokens: BusyPrefillTokens | msgspec.UnsetType = msgspec.UNSET
+    busy_decode_pages: BusyDecodePages | msgspec.UnsetType = msgspec.UNSET
+    queue_size: QueueSize | msgspec.UnsetType = msgspec.UNSET
+    queue_timeout_s: QueueTimeout | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> dict[str, int | float]:
+        """The fields this change sets, by name."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not msgspec.UNSET}
 
     def applied_to(self, current: AdmissionSettings) -> AdmissionSettings:
-        given = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not msgspec.UNSET}
-        return msgspec.structs.replace(current, **given)
+        return msgspec.structs.replace(current, **self.given())
+
+
+class AdmissionAnswer(AdmissionSettings, frozen=True, kw_only=True):
+    """PUT /v1/admission's answer: the settings now in force (the same fields as GET's answer),
+    and where. A change reaches this replica's processes only: other replicas keep their own
+    settings until they are told too (docs/USING.md)."""
+
+    #: "replica": the change holds on the replica that took the PUT, not on the deployment.
+    scope: str = "replica"
+    #: The router id of the replica that took the PUT.
+    router_id: str = ""
+    #: The processes of that replica (`--processes N`) that applied it, and those that did not
+    #: answer (each named "process <i>").
+    applied: list[str] = []
+    not_applied: list[str] = []
 
 
 class ReleaseStage(str, enum.Enum):
@@ -180,7 +220,11 @@ class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):
     stage: ReleaseStage = ReleaseStage.COMPLETE
     #: At first token: how long the first token took as the client measured it, in ms (None:
     #: the router takes the time since its booking). It teaches the worker's rates.
-    ttft_ms: Annotated[float, msgspec.Meta(gt=0.0, le=86_400_000.0)] | None = None
+    #: 0 (a first token under the clock's resolution) is a first token too: it teaches nothing.
+    ttft_ms: Annotated[float, msgspec.Meta(ge=0.0, le=86_400_000.0)] | None = None
+    #: The secret the booking's /v1/route answer named (`owner`): only its holder may release
+    #: the booking, or teach the worker's rates by its first token.
+    owner: OwnerSecret
 
 
 class ReleaseResponse(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,6 +233,10 @@ class ReleaseResponse(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str = ""
     prefill_pages: int = 0
     decode_pages: int = 0
+    #: Why the first token's time taught the worker's rates nothing ("": it taught, or there
+    #: was nothing to teach): "budget" (this client's samples of the worker this minute are
+    #: spent), "late" (longer than the booking had lived). router/rates.py ClientSamples.
+    sample_refused: str = ""
 
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):

@@ -48,7 +48,11 @@ Load booked by routers (written only by router/*.lua, atomically with each selec
                                   that copied the loads at version v books only while it is
                                   still v (router/book_checked.lua)
   kvt:{m}:bookings          zset  request id -> booking expiry (unix ms)
-  kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back)
+  kvt:{m}:bk:<request id>   hash  worker, prefill, decode (what a release gives back); work,
+                                  at (what its first token teaches); owner (the digest of the
+                                  secret a /v1/route client must give to release it)
+  kvt:{m}:rs:<worker>:<client>  str  first-token samples a client without the router's token
+                                  taught the worker this minute (router/rates.py ClientSamples)
   kvt:{m}:rr                str   the model's round-robin turn (--router-mode round-robin)
   kvt:{m}:w:<worker>:predicted  hash  page key -> bookings not yet complete that hold the page
                                   as predicted on this worker (router/README.md); dropped

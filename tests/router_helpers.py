@@ -70,10 +70,12 @@ class StateSeeder:
             self.store(worker, Tier.DISK, hashes[device + host:device + host + disk])
 
 
-def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers); 4xx/5xx answers are returned, not raised."""
+def http(method: str, url: str, body=None, timeout: float = 10.0, token: str = "") -> tuple[int, dict, dict]:
+    """(status, JSON body, headers); 4xx/5xx answers are returned, not raised. `token`: sent as
+    the bearer token."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()
@@ -85,6 +87,23 @@ def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, 
         except ValueError:
             payload = {"raw": raw.decode(errors="replace")}
         return exc.code, payload, dict(exc.headers)
+
+
+#: (model, request id) -> the owner secret of its booking, as a /v1/route answer named it.
+_OWNERS: dict[tuple[str, str], str] = {}
+
+
+def remember_owner(model: str, answer: dict) -> None:
+    """Keep the owner secret of a /v1/route answer, for `release_body`."""
+    if answer.get("owner"):
+        _OWNERS[(model, answer["request_id"])] = answer["owner"]
+
+
+def release_body(model: str, request_id: str, stage: str = "complete", **extra) -> dict:
+    """A /v1/release body with the owner secret of the booking's answer (`remember_owner`; a
+    secret of no booking when none was kept)."""
+    return {"model": model, "request_id": request_id, "stage": stage,
+            "owner": _OWNERS.get((model, request_id), "not-the-owner"), **extra}
 
 
 def answers(url: str) -> bool:
@@ -113,6 +132,7 @@ class RouterProcess(KvtierProcess):
             args += ["--nats", nats_url]
         super().__init__(*args, *extra, env=env, prefix=prefix)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.token = extra[extra.index("--auth-token") + 1] if "--auth-token" in extra else ""
         wait_until(self._up, timeout=20, what=lambda: f"router on {self.url} to answer:\n{self.output()[-2000:]}")
 
     def _up(self) -> bool:
@@ -122,11 +142,18 @@ class RouterProcess(KvtierProcess):
 
     def route(self, model: str, token_ids: list[int], **extra) -> tuple[int, dict, dict]:
         """POST /v1/route, asking for every candidate (`explain`) unless `explain=False` is given:
-        most router tests read them."""
-        return http("POST", self.url + "/v1/route", {"model": model, "token_ids": token_ids, "explain": True, **extra})
+        most router tests read them. The booking's owner secret is remembered for `release`."""
+        answer = self.post("/v1/route", {"model": model, "token_ids": token_ids, "explain": True, **extra})
+        remember_owner(model, answer[1])
+        return answer
 
-    def release(self, model: str, request_id: str, stage: str = "complete") -> tuple[int, dict, dict]:
-        return http("POST", self.url + "/v1/release", {"model": model, "request_id": request_id, "stage": stage})
+    def release(self, model: str, request_id: str, stage: str = "complete", **extra) -> tuple[int, dict, dict]:
+        """POST /v1/release with the owner secret its booking's answer named (on any replica)."""
+        return self.post("/v1/release", release_body(model, request_id, stage, **extra))
+
+    def post(self, path: str, body) -> tuple[int, dict, dict]:
+        """POST to this router, with its --auth-token when it was started with one."""
+        return http("POST", self.url + path, body, token=self.token)
 
     def index_settled(self, client: redis.Redis, model: str) -> bool:
         """This replica's index of the model follows the feed and has applied all of it, under

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 MODEL = "bench/overload-model"
 PAGE_SIZE = 64
+#: The replicas' --drain-timeout: the stopped one must be gone within it + 2 s of its SIGTERM.
+DRAIN_TIMEOUT_S = 10.0
+#: How long after the run the booked load is read: every release has landed by then.
+LEAK_WAIT_S = 5.0
 OUTCOMES = ("completed", "refused", "rejected", "failed_before_first_byte", "failed_after_first_byte", "lost")
 
 
@@ -233,12 +237,22 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], bench: OverloadBench)
         async def kill_worker() -> None:
             stack.sim_procs[0].kill()
 
+        exit_s: list[float] = []  # the drained replica's, from its SIGTERM
+
+        async def watch_exit(signalled: float) -> None:
+            while stack.router_procs[1].proc.poll() is None:
+                await asyncio.sleep(0.02)
+            exit_s.append(time.monotonic() - signalled)
+
+        watching: list[asyncio.Task] = []
+
         async def stop_replica() -> None:
             for router in stack.routers:
                 health = await router_health(session, router)
                 if health:
                     peaks.append(health.queue.peak)
             stack.router_procs[1].proc.terminate()  # SIGTERM: it drains
+            watching.append(asyncio.create_task(watch_exit(time.monotonic())))
 
         await _open_loop(session, balancer, prompts, 2 * capacity, bench.seconds, "2x", tally, rng,
                          bench.request_timeout, events=[(0.0, open_idle_sockets), (1.0, oversized),
@@ -251,6 +265,10 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], bench: OverloadBench)
             if health:
                 peaks.append(health.queue.peak)
         rss_end = [rss_mb(p.live_pid) for p in stack.router_procs]
+        await asyncio.wait(watching, timeout=DRAIN_TIMEOUT_S + 10)
+        # every request has its answer: what is still booked 5 s later was never given back
+        await asyncio.sleep(LEAK_WAIT_S)
+        leaked = _booked_pages(stack.redis_url)
         entries_end = await _index_entries(session, stack.routers[0])
         cache_end = await _tokenizer_cache_mb(session, stack.routers[0])
         closed_by_router = 0
@@ -299,7 +317,11 @@ async def _drive(stack: ProxyStack, vocabulary: list[str], bench: OverloadBench)
         "lost_details": lost_details,
         "failed_before_first_byte_details": sorted({o.detail for o in measured
                                                     if o.kind == "failed_before_first_byte"})[:5],
+        "leaked_bookings": leaked,
+        "drained_replica_exit_s": exit_s[0] if exit_s else None, "drain_timeout_s": DRAIN_TIMEOUT_S,
         "target_lost_0": counts["lost"] == 0,
+        "target_leaked_bookings_0": leaked == 0,
+        "target_drained_exit_within_drain_timeout_plus_2s": bool(exit_s) and exit_s[0] <= DRAIN_TIMEOUT_S + 2,
         "target_every_refusal_has_retry_after": all(o.retry_after for o in refusals),
         "target_no_failure_before_first_byte": counts["failed_before_first_byte"] == 0,
         "target_ttft_p99_high_le_3x_low": highs["p99"] <= 3 * lows["p99"],
@@ -317,7 +339,7 @@ def run_overload_bench(bench: OverloadBench) -> int:
         vocabulary = write_tokenizer(tokenizer)
         with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, bench.workers, 2, [
                 "--busy-prefill-tokens", str(bench.busy_prefill_tokens), "--queue-timeout", str(bench.queue_timeout),
-                "--max-prompt-bytes", str(bench.max_prompt_bytes), "--drain-timeout", "10",
+                "--max-prompt-bytes", str(bench.max_prompt_bytes), "--drain-timeout", str(DRAIN_TIMEOUT_S),
                 "--tokenizer-cache-mb", str(bench.tokenizer_cache_mb)],
                 sim_flags=["--device-pages", str(bench.device_pages), "--pace"],
                 bridge_flags=["--heartbeat", "0.5", "--lease-ttl", "3", "--engine-health-timeout", "1"]) as stack:
@@ -326,6 +348,20 @@ def run_overload_bench(bench: OverloadBench) -> int:
     if bench.json:
         print(json.dumps(results))
     return 0
+
+
+def _booked_pages(redis_url: str) -> int:
+    """Prefill and decode pages the routers hold booked on the model's workers, in Redis."""
+    import redis
+
+    from kvtier.schemas.state_keys import ModelKeys
+
+    keys = ModelKeys.for_model(MODEL)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return sum(int(v) for key in (keys.prefill_load, keys.decode_load) for v in client.hgetall(key).values())
+    finally:
+        client.close()
 
 
 def _print(r: dict) -> None:
@@ -343,6 +379,10 @@ def _print(r: dict) -> None:
     print(f"  TTFT of completed requests: at 0.8x p50 {r['ttft_low_p50_ms']:.0f} ms, "
           f"p99 {r['ttft_low_p99_ms']:.0f} ms; "
           f"at 2x p50 {r['ttft_high_p50_ms']:.0f} ms, p99 {r['ttft_high_p99_ms']:.0f} ms (target p99 <= 3x)")
+    exit_s = r["drained_replica_exit_s"]
+    print(f"  booked pages left 5 s after the run: {r['leaked_bookings']}; the drained replica exited "
+          + (f"{exit_s:.1f} s" if exit_s is not None else "never") + f" after SIGTERM (--drain-timeout "
+          f"{r['drain_timeout_s']:g})")
     print(f"  queue peak {r['queue_peak']}; idle sockets closed by the router {r['idle_sockets_closed_by_router']} "
           f"of {r['idle_sockets_opened']}; oversized prompts refused 413: {r['oversized_refused_413']} of "
           f"{r['oversized_sent']}")

@@ -55,7 +55,7 @@ from kvtier.harness.embedded import RedisServer
 from kvtier.plumbing.connections import redis_async_client
 from kvtier.schemas.changes import TierChange
 from kvtier.schemas.hashes import block_hashes_of_keys, sglang_page_digests
-from kvtier.schemas.routing import ReleaseStage, RouteRequest
+from kvtier.schemas.routing import ReleaseStage, RouteRequest, decode_route_response
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.worker import MooncakeLayout
 from kvtier.testing import clients
@@ -563,9 +563,10 @@ async def _http_load(base: str, bodies: list[tuple[str, bytes]], concurrency: in
                 t0 = time.perf_counter()
                 async with s.post("/v1/route", data=body, headers=clients.JSON_HEADERS) as r:
                     assert r.status == 200, await r.text()
-                    await r.read()
+                    answer = await r.read()
                 latencies.append(time.perf_counter() - t0)
-                await clients.release(s, "", MODEL, request_id)  # the session's base URL
+                owner = decode_route_response(answer).owner
+                await clients.release(s, "", MODEL, request_id, owner=owner)  # the session's base URL
 
         start = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(concurrency)))

@@ -505,7 +505,7 @@ class Soak:
             out_len = request.output_length
         router = self.routers[index % len(self.routers)]
         request_id = f"soak-{index}"
-        sim, booked = None, False
+        sim, booked, decision = None, False, None
         try:
             decision = await clients.route(session, router, RouteRequest(
                 model=MODEL, token_ids=tokens, request_id=request_id, max_new_tokens=out_len))
@@ -517,14 +517,14 @@ class Soak:
                 if self.kill_t is not None and self.now() > self.kill_t + cfg.lease_ttl_s + 3:
                     stats.routed_to_dead_late += 1
                 stats.requests += 1
-                await self._release_later(router, request_id, 0)
+                await self._release_later(router, request_id, decision.owner, 0)
                 return
             await clients.generate(session, f"{sim.url}/w/{rank}",
                                    SimGenerateBody(input_ids=tokens, now=self.sim_now()))
-            await clients.release(session, router, MODEL, request_id, ReleaseStage.FIRST_TOKEN)
+            await clients.release(session, router, MODEL, request_id, ReleaseStage.FIRST_TOKEN, owner=decision.owner)
             stats.requests += 1
             hold = min(out_len * cfg.decode_ms_per_token / 1000, cfg.max_hold_s)
-            task = asyncio.ensure_future(self._release_later(router, request_id, hold))
+            task = asyncio.ensure_future(self._release_later(router, request_id, decision.owner, hold))
             self.pending.add(task)
             task.add_done_callback(self.pending.discard)
         except Exception as exc:  # noqa: BLE001 - counted and shown
@@ -533,14 +533,14 @@ class Soak:
                 stats.routed_to_dead += 1  # its worker died under it
             else:
                 self._error(repr(exc))
-            if booked:  # a client gives the booked load back when its request fails
-                await self._release_later(router, request_id, 0)
+            if booked and decision is not None:  # a client gives the booked load back when its request fails
+                await self._release_later(router, request_id, decision.owner, 0)
 
-    async def _release_later(self, router: str, request_id: str, delay: float) -> None:
+    async def _release_later(self, router: str, request_id: str, owner: str, delay: float) -> None:
         try:
             if delay > 0:
                 await asyncio.sleep(delay)
-            await clients.release(self.session, router, MODEL, request_id, ReleaseStage.COMPLETE)
+            await clients.release(self.session, router, MODEL, request_id, ReleaseStage.COMPLETE, owner=owner)
         except Exception as exc:  # noqa: BLE001 - counted; the booking would expire
             self._error(f"release: {exc!r}")
 
@@ -695,7 +695,7 @@ class Soak:
             await clients.post(session, f"{sim.url}/w/{rank}/generate",
                                SimGenerateBody(input_ids=tokens, now=self.sim_now()))
             for stage in (ReleaseStage.FIRST_TOKEN, ReleaseStage.COMPLETE):
-                await clients.release(session, router, MODEL, f"warm-{i}", stage)
+                await clients.release(session, router, MODEL, f"warm-{i}", stage, owner=decision.owner)
         # A worker that announces itself once with a short lease: the processor's expiry
         # script runs for the first time now rather than when the die phase is measured
         # (a script's first run costs Redis ~90 KB, once).

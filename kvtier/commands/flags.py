@@ -14,6 +14,7 @@ import signal
 import sys
 
 from kvtier.plumbing.log_limit import limit_log_rate
+from kvtier.plumbing.log_records import cap_log_records
 from kvtier.plumbing.settings import SECRET_FLAG
 from kvtier.plumbing.settings import UrlListAction as UrlListAction
 from kvtier.plumbing.settings import add_flags as add_flags
@@ -101,6 +102,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-rate-limit", type=int, default=20, metavar="N",
                    help="At most N log records of one kind (logger and message) a minute; the rest are counted "
                         "in the next one written, so a flood of bad requests cannot fill the disk (0: no limit).")
+    p.add_argument("--log-max-record-bytes", type=non_negative_int, default=4096, metavar="BYTES",
+                   help="Cut each log record (message and traceback) to BYTES of UTF-8, ending it with how many "
+                        "bytes were cut, so text a client sends (a request line, headers) cannot make huge records "
+                        "(0: no cap).")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off).")
     p.add_argument("--metrics-host", default="127.0.0.1", help="Address the metrics server binds to.")
@@ -160,6 +165,7 @@ def setup(args) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limit_log_rate(getattr(args, "log_rate_limit", 0))
+    cap_log_records(getattr(args, "log_max_record_bytes", 0))
     configure_connections(args)
     if args.metrics_port:
         from prometheus_client import start_http_server

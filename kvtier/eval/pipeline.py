@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,9 +87,11 @@ class PipelinePolicy:
         self.publishers: list[SglangEventPublisher] = []
         self.routers: list[str] = []
         self._session: aiohttp.ClientSession | None = None
+        self._token = secrets.token_urlsafe(16)
         self._redis: Any = None  # redis_async_client's: a redis.asyncio Redis or RedisCluster
         self._pool_runner: web.AppRunner | None = None
         self._releases: list[_Release] = []
+        self._owners: dict[str, str] = {}  # request id -> the owner secret its /v1/route answer named
         self._seq = itertools.count()
         self._published = [-1] * workers  # last engine seq published per rank
         self._state_keys = [ModelKeys.for_model(self.model).state(worker_id(r)) for r in range(workers)]
@@ -108,8 +111,11 @@ class PipelinePolicy:
                                                 f"tcp://127.0.0.1:{replay_base + r}", attn_dp_rank=r)
                            for r in range(self.workers)]
         log_dir = self.stack.log_dir
+        # The replay is the operator's own client: with the routers' token its first tokens
+        # (simulated times, released whenever the replay gets to them) teach in full, as a
+        # trusted client's do (router/rates.py ClientSamples bounds the others).
         router_args = ["--nats", self.stack.nats_url, *QUIET, "--booking-ttl", "86400", "--state-timeout-ms", "30000",
-                       *self.router_args]
+                       "--auth-token", self._token, *self.router_args]
         if self.shared:
             app = web.Application()
             async def query(request):
@@ -132,7 +138,8 @@ class PipelinePolicy:
             self.procs.append(router)
             self.routers.append(url)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=120, sock_read=120)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout,
+                                              headers={"Authorization": f"Bearer {self._token}"})
         for url in self.routers:
             await wait_http(self.session, url + "/healthz", self.procs, timeout=60)
         self._redis = redis_async_client(self.stack.redis_url)
@@ -209,8 +216,9 @@ class PipelinePolicy:
             await asyncio.gather(*(self._release(request_id, stage) for request_id, stage in due.items()))
 
     async def _release(self, request_id: str, stage: str, ttft_ms: float | None = None) -> None:
+        owner = self._owners.pop(request_id, "") if stage == "complete" else self._owners.get(request_id, "")
         status = await clients.release(self.session, self.routers[0], self.model, request_id, ReleaseStage(stage),
-                                       ttft_ms)
+                                       ttft_ms, owner=owner)
         if status != 200:
             raise RuntimeError(f"{self.name}: {self.routers[0]}/v1/release of {request_id} ({stage}) answered {status}")
 
@@ -245,6 +253,7 @@ class PipelinePolicy:
                             overrides=RouteOverrides(**self.overrides) if self.overrides else None)
         router = self.routers[request.index % len(self.routers)]
         answer = await clients.route(self.session, router, body, f"{self.name}: {router}/v1/route answered")
+        self._owners[body.request_id or ""] = answer.owner
         seen = [CandidateView(rank_of(c.worker_id), c.overlap, c.prefill_load, c.decode_load, c.logit)
                 for c in answer.candidates]
         return Decision(rank_of(answer.worker_id), seen, list(answer.degraded))

@@ -187,10 +187,10 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
                 pass
             await asyncio.sleep(0.02)
 
-    async def release_later(router: str, request_id: str, stage: ReleaseStage, delay_sim_s: float):
+    async def release_later(router: str, request_id: str, owner: str, stage: ReleaseStage, delay_sim_s: float):
         await asyncio.sleep(delay_sim_s / time_scale)
         try:
-            await clients.release(session, router, f"replay-{policy}", request_id, stage)
+            await clients.release(session, router, f"replay-{policy}", request_id, stage, owner=owner)
         except Exception:  # noqa: BLE001 - a lost release expires with its booking
             pass
 
@@ -210,6 +210,7 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
                                 max_new_tokens=request.output_length,
                                 overrides=RouteOverrides(**DEVICE_ONLY) if policy == "device_only" else None)
             decision = await clients.route(session, router, body, f"{policy}: route failed")
+            owner = decision.owner
             if decision.degraded:
                 result.degraded += 1
             rank = int(decision.worker_id.rsplit("-dp", 1)[1])
@@ -233,9 +234,9 @@ async def _replay(policy, requests, shape, time_scale, session, sim_url, routers
             result.ttft_in_order_s.append(served.ttft_s)
         result.per_worker[rank] = result.per_worker.get(rank, 0) + 1
         if router is not None:
-            pending.add(asyncio.ensure_future(release_later(router, request_id, ReleaseStage.FIRST_TOKEN,
+            pending.add(asyncio.ensure_future(release_later(router, request_id, owner, ReleaseStage.FIRST_TOKEN,
                                                             served.ttft_s)))
-            pending.add(asyncio.ensure_future(release_later(router, request_id, ReleaseStage.COMPLETE,
+            pending.add(asyncio.ensure_future(release_later(router, request_id, owner, ReleaseStage.COMPLETE,
                                                             served.e2e_latency)))
         done += 1
         if progress:

@@ -48,11 +48,12 @@ async def route(session, router: str, request: RouteRequest, what: str = "route"
 
 
 async def release(session, router: str, model: str, request_id: str,
-                  stage: ReleaseStage = ReleaseStage.COMPLETE, ttft_ms: float | None = None) -> int:
-    """`POST /v1/release`; the status (404: nothing booked under that id). `ttft_ms`: the
-    first token's time as the client measured it."""
-    status, _ = await post(session, router + "/v1/release", ReleaseRequest(model=model, request_id=request_id,
-                                                                           stage=stage, ttft_ms=ttft_ms))
+                  stage: ReleaseStage = ReleaseStage.COMPLETE, ttft_ms: float | None = None, *, owner: str) -> int:
+    """`POST /v1/release`; the status (404: nothing booked under that id; 403: `owner` is not
+    the booking's). `ttft_ms`: the first token's time as the client measured it; `owner`: the
+    secret the booking's /v1/route answer named."""
+    status, _ = await post(session, router + "/v1/release", ReleaseRequest(
+        model=model, request_id=request_id, stage=stage, ttft_ms=ttft_ms, owner=owner))
     return status
 
 

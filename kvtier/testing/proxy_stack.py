@@ -27,6 +27,8 @@ class ProxyStack:
     routers: list[str]
     sim_procs: list[KvtierSubprocess]
     router_procs: list[KvtierSubprocess]
+    #: the Redis the stack's state (and the routers' bookings) is in
+    redis_url: str = ""
 
 
 @contextlib.contextmanager
@@ -57,7 +59,7 @@ def proxy_stack(work: str, model: str, page_size: int, tokenizer: str, workers: 
                 router_procs.append(proc)
                 routers.append(url)
             asyncio.run(_wait_up(routers, processes))
-            yield ProxyStack(urls, routers, sims, router_procs)
+            yield ProxyStack(urls, routers, sims, router_procs, server.url)
         finally:
             for p in reversed(processes):
                 p.stop()

@@ -1,7 +1,8 @@
 """`kvtier bench overload`, short: at 2x the capacity it measured, with a sim-worker killed and
 a replica stopped mid-run, idle sockets and oversized prompts, every request is accounted for:
 none lost, every refusal with Retry-After, none failed before its first byte, the oversized
-prompts refused with 413. Its TTFT and memory figures are not judged here (this machine is
+prompts refused with 413, no booking left behind, the drained replica gone within its
+--drain-timeout + 2 s. Its TTFT and memory figures are not judged here (this machine is
 shared): BENCHMARKS.md quotes a full run."""
 
 from __future__ import annotations
@@ -36,3 +37,6 @@ def test_bench_overload_short_loses_nothing():
     assert report["capacity_requests_per_s"] > 0 and report["queue_peak"] > 0, report
     # the piece cache, read from the replica's router_tokenizer_cache_bytes, held prompts and its bound
     assert 0 < report["tokenizer_cache_mb_end"] <= report["tokenizer_cache_bound_mb"], report
+    # every booking given back (5 s after the run), and the drained replica gone in time
+    assert report["leaked_bookings"] == 0, report
+    assert report["drained_replica_exit_s"] <= report["drain_timeout_s"] + 2, report

@@ -196,14 +196,18 @@ def test_pipeline_and_router_with_credentials_over_tls(secured, monkeypatch):
             assert status == 401 and "missing bearer token" in body["error"], body
             status, body, _ = http("POST", router.url + "/v1/route", route, headers=bearer)
             assert status == 200 and body["worker_id"] == "w0", body
-            status, health, _ = http("GET", router.url + "/healthz")  # open without the token
-            assert status == 200 and health["state_store"]["ok"], health
-            wait_until(lambda: http("GET", router.url + "/healthz")[1]["decision_log"]["connected"], timeout=20,
+            owner = body["owner"]
+            status, health, _ = http("GET", router.url + "/healthz")  # open without the token: a summary
+            assert status == 200 and health["state_store"]["ok"] and health["summary_only"], health
+            assert health["worker_rates"] == [] and health["engine_queues"] == [] and health["models"] == [], health
+            wait_until(lambda: http("GET", router.url + "/healthz", headers=bearer)[1]["decision_log"]["connected"],
+                       timeout=20,
                        what=lambda: router.output()[-2000:])
             wait_until(lambda: published_decisions(router) >= 1, timeout=20,
                        what=lambda: router.metrics()[-1500:])  # /metrics open: no --protect-metrics
             status, body, _ = http("POST", router.url + "/v1/release",
-                                   {"model": MODEL, "request_id": "sec-1", "stage": "complete"}, headers=bearer)
+                                   {"model": MODEL, "request_id": "sec-1", "stage": "complete", "owner": owner},
+                                   headers=bearer)
             assert status == 200, body
         finally:
             stop_all(router)
@@ -397,11 +401,13 @@ def test_router_bearer_token(redis_client, redis_server, tmp_path):
         assert status == 200 and health["status"] == "ok", health
         status, answer, _ = http("POST", router.url + "/v1/route", route, headers=good)
         assert status == 200 and answer["worker_id"] == "w0", answer
+        owner = answer["owner"]
         status, answer, _ = http("POST", router.url + "/v1/route", {**route, "request_id": "r-2"},
                                  headers={"Authorization": f"bearer  {token} "})  # scheme case, spaces
         assert status == 200, answer
         status, answer, _ = http("POST", router.url + "/v1/release",
-                                 {"model": MODEL, "request_id": "r-1", "stage": "complete"}, headers=good)
+                                 {"model": MODEL, "request_id": "r-1", "stage": "complete", "owner": owner},
+                                 headers=good)
         assert status == 200, answer
         # authorized /generate goes on to routing (this worker announced no HTTP endpoint: 502)
         status, answer, _ = http("POST", router.url + "/generate", {"input_ids": request_tokens(2, 4)}, headers=good)

@@ -57,7 +57,7 @@ def _in_thread(fn):
 
 
 def _queue_depth(router) -> int:
-    return http("GET", router.url + "/healthz")[1]["queue"]["depth"]
+    return http("GET", router.url + "/healthz", token=router.token)[1]["queue"]["depth"]
 
 
 def test_busy_workers_queue_requests_in_order_then_refuse_with_retry_after(redis_client, redis_server, tmp_path):
@@ -96,7 +96,7 @@ def test_busy_workers_queue_requests_in_order_then_refuse_with_retry_after(redis
         metrics = router.metrics()
         assert 'router_admission_refusals_total{reason="queue_full"} 1.0' in metrics
         assert "router_queue_wait_seconds_count 2.0" in metrics
-        assert http("GET", router.url + "/healthz")[1]["queue"]["peak"] == 2
+        assert http("GET", router.url + "/healthz", token=router.token)[1]["queue"]["peak"] == 2
 
         # thresholds change at run time, with the router's token only
         status, answer, _ = http("GET", router.url + "/v1/admission")
@@ -104,17 +104,23 @@ def test_busy_workers_queue_requests_in_order_then_refuse_with_retry_after(redis
         request = urllib.request.Request(router.url + "/v1/admission", method="PUT", headers=auth, data=json.dumps(
             {"busy_decode_pages": 5, "queue_size": 0}).encode())
         with urllib.request.urlopen(request, timeout=10) as response:
-            assert json.loads(response.read()) == {"busy_prefill_tokens": 0, "busy_decode_pages": 5,
-                                                   "queue_size": 0, "queue_timeout_s": 20.0}  # the rest kept
+            answer = json.loads(response.read())
+        settings = ("busy_prefill_tokens", "busy_decode_pages", "queue_size", "queue_timeout_s")
+        assert [answer[k] for k in settings] == [0, 5, 0, 20.0]  # the rest kept
+        # the answer says how far the change reached: this replica, not the deployment
+        assert answer["scope"] == "replica" and answer["router_id"] and answer["applied"] == ["process 0"], answer
+        assert answer["not_applied"] == []
         status, body, headers = generate()  # an idle worker is under any threshold: placed
         assert status == 200, body
-        request = urllib.request.Request(router.url + "/v1/admission", method="PUT", headers=auth,
-                                         data=b'{"busy_decode_pages": -1}')
-        try:
-            urllib.request.urlopen(request, timeout=10)
-            raise AssertionError("a negative threshold was accepted")
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 400 and b"busy_decode_pages" in exc.read()
+        for wrong in (b'{"busy_decode_pages": -1}', b'{"busy_decode_pages": 18446744073709551616}',
+                      b'{"busy_prefill_tokens": 1e23}', b'{"busy_prefill_tokens": 100000000000}'):
+            request = urllib.request.Request(router.url + "/v1/admission", method="PUT", headers=auth, data=wrong)
+            try:
+                urllib.request.urlopen(request, timeout=10)
+                raise AssertionError(f"an out-of-bounds threshold was accepted: {wrong!r}")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 400 and b"busy_" in exc.read(), wrong
+        assert http("GET", router.url + "/v1/admission", token=router.token)[1]["busy_decode_pages"] == 5
     finally:
         stop_all(router)
         engine.stop()
@@ -152,8 +158,8 @@ def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits_0(redis_cli
     try:
         held = _Stream(router.url, tokens)
         os.kill(router.pid, signal.SIGTERM)
-        wait_until(lambda: http("GET", router.url + "/healthz")[0] == 503, timeout=10)
-        assert http("GET", router.url + "/healthz")[1]["status"] == "draining"
+        wait_until(lambda: http("GET", router.url + "/healthz", token=router.token)[0] == 503, timeout=10)
+        assert http("GET", router.url + "/healthz", token=router.token)[1]["status"] == "draining"
         status, answer, headers = http("POST", router.url + "/generate", {"model": MODEL, "input_ids": tokens})
         assert status == 503 and headers["Retry-After"] == "1" and "shutting down" in answer["error"], answer
         assert router.alive()  # still waiting for the stream in flight
@@ -201,7 +207,8 @@ def test_a_session_stays_on_its_worker_across_replicas_while_it_is_live(redis_cl
                 body["session_id"] = session
             status, answer, _ = http("POST", router.url + "/v1/route", body)
             assert status == 200, answer
-            http("POST", router.url + "/v1/release", {"model": MODEL, "request_id": answer["request_id"]})
+            http("POST", router.url + "/v1/release", {"model": MODEL, "request_id": answer["request_id"],
+                                                      "owner": answer["owner"]})
             return answer
 
         first = route(routers[0], "conv-1")

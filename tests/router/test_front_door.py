@@ -55,7 +55,8 @@ def test_a_burst_larger_than_the_redis_pool_waits_for_connections_instead_of_rou
         degraded = [a[1]["degraded"] for a in answers if a[1]["degraded"]]
         assert not degraded, degraded[:3]
         releases = _post_all(router.url + "/v1/release", [
-            {"model": MODEL, "request_id": f"burst-{i}", "stage": "complete"} for i in range(300)])
+            {"model": MODEL, "request_id": a[1]["request_id"], "stage": "complete", "owner": a[1]["owner"]}
+            for a in answers])
         assert [r[0] for r in releases] == [200] * 300, {r[0] for r in releases}
         assert loads(redis_client, MODEL) == ({}, {})  # nothing left booked
         assert "state_store_unavailable" not in router.metrics()
@@ -300,7 +301,7 @@ def test_proxied_bookings_belong_to_the_proxy(redis_client, redis_server):
         status, _, headers = http("POST", router.url + "/generate", {"input_ids": tokens, "rid": "victim-1"})
         assert status == 200 and headers["X-Kvtier-Request-Id"].startswith("proxy:"), headers
         for path, body in (("/v1/release", {"model": MODEL, "request_id": headers["X-Kvtier-Request-Id"],
-                                            "stage": "complete"}),
+                                            "stage": "complete", "owner": "a-guess"}),
                            ("/v1/route", {"model": MODEL, "token_ids": tokens, "request_id": "proxy:mine"})):
             status, answer, _ = http("POST", router.url + path, body)
             assert status == 400 and "proxy's own bookings" in answer["error"], (path, answer)
@@ -367,6 +368,40 @@ def test_a_huge_text_prompt_is_refused_before_it_is_tokenized(redis_client, redi
         assert _raw_post(router.port, "/v1/completions", {"prompt": "hello there", "max_tokens": 2})[0] == 200
     finally:
         stop_all(router)
+        engine.stop()
+
+
+def test_a_chat_of_many_empty_messages_is_refused_before_it_is_rendered(redis_client, redis_server, tokenizer_dir):
+    """Defect 4 of issue 34: 900k empty messages (0 bytes of text) were rendered and tokenized
+    whole before any limit (413 after 15.5 s, +1 GB). The message count, and the bytes a chat
+    renders to (each message counted with what the template wraps it in), are checked before
+    rendering; and rendering plus tokenizing is bounded in time (--tokenize-timeout)."""
+    engine = EngineProcess()
+    StateSeeder(redis_client, MODEL).worker("w", 4, url=engine.url)
+    tokenizer = f"{MODEL}={tokenizer_dir}"
+    router = RouterProcess(redis_server.url, "--proxy", "--model", MODEL, "--tokenizer", tokenizer,
+                           "--max-prompt-bytes", "100000")
+    slow = RouterProcess(redis_server.url, "--proxy", "--model", MODEL, "--tokenizer", tokenizer,
+                         "--tokenize-timeout", "0.001")
+    try:
+        url = router.url + "/v1/chat/completions"
+        for count, flag in ((200_000, "--max-chat-messages"), (4000, "--max-prompt-bytes")):
+            started = time.monotonic()
+            status, answer, _ = http("POST", url, {"messages": [{"role": "user", "content": ""}] * count})
+            assert status == 413 and flag in answer["error"]["message"], (count, answer)
+            assert time.monotonic() - started < 5, "refused only after rendering"
+        assert "router_tokenize_seconds_count 0.0" in router.metrics()
+        # a normal chat is rendered and forwarded (this engine has no chat path: its 404 comes back)
+        status, _, headers = http("POST", url, {"messages": [{"role": "user", "content": "hello there"}],
+                                                "max_tokens": 2})
+        assert status == 404 and headers.get("X-Kvtier-Worker") == "w", (status, headers)
+        prose = " ".join(f"w{i % 400}" for i in range(20_000))  # ~100 KB of words: far more than a millisecond
+        status, answer, _ = http("POST", slow.url + "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": prose}], "max_tokens": 2})
+        assert status == 413 and "--tokenize-timeout" in answer["error"]["message"], answer
+        assert "router_tokenize_timeouts_total 1.0" in slow.metrics()
+    finally:
+        stop_all(router, slow)
         engine.stop()
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.router import scoring
 from kvtier.router.rates import (
+    CLIENT_SAMPLES,
     FitSettings,
     Pricing,
     Work,
@@ -143,18 +144,19 @@ def test_a_slow_worker_weighs_its_work_and_its_slow_loads_more():
 #: learn_rates.lua's function called alone (release.lua calls it at a first token's release).
 LEARN_ONE = """
 return learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}, tonumber(ARGV[5]),
-                  {unpack(ARGV, 6, 17)})
+                  {unpack(ARGV, 6, 18)}, tonumber(ARGV[19]))
 """
 
 
-def lua_arguments(worker: str, work: Work, ttft_s: float) -> list:
+def lua_arguments(worker: str, work: Work, ttft_s: float, max_step: float = 0.0) -> list:
     return [worker, repr(work.compute_tokens), repr(work.host_tokens), repr(work.l3_tokens), repr(ttft_s),
-            *fit_arguments(PRIOR, SETTINGS)]
+            *fit_arguments(PRIOR, SETTINGS), repr(max_step)]
 
 
 def test_the_fit_in_redis_is_the_pure_fit(redis_server):
-    """A random history per worker (slowdowns, stalls, empty samples) through the Redis twin and
-    through observe(): the same fit after every sample, to the last bit."""
+    """A random history per worker (slowdowns, stalls, empty samples, samples bounded as a
+    client's are) through the Redis twin and through observe(): the same fit after every
+    sample, to the last bit."""
     import redis as sync_redis
 
     from kvtier.plumbing.lua_scripts import load_lua
@@ -174,8 +176,9 @@ def test_the_fit_in_redis_is_the_pure_fit(redis_server):
         work = random_work(rng) if rng.random() > 0.03 else Work(0, 0, 0)
         ttft = truth_s((truth[worker],) * 3, work) * rng.uniform(0.9, 1.1)
         ttft = rng.choice([ttft, ttft, ttft, 50.0, 0.0, -1.0]) if rng.random() < 0.05 else ttft
-        fits[worker] = observe(fits[worker], PRIOR, work, ttft, SETTINGS)
-        answer = learn(keys=[key], args=lua_arguments(worker, work, ttft))
+        max_step = rng.choice([0.0, CLIENT_SAMPLES.max_step, 0.2])  # the router's own, or a client's
+        fits[worker] = observe(fits[worker], PRIOR, work, ttft, SETTINGS, max_step)
+        answer = learn(keys=[key], args=lua_arguments(worker, work, ttft, max_step))
         assert decode_fit(answer) == fits[worker], f"step {step}"
         assert answer == encode_fit(fits[worker])
     assert {k.decode(): decode_fit(v) for k, v in client.hgetall(key).items()} == fits

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # a second or more here: `scripts/test -m "not sl
 def processes(router: RouterProcess) -> list[dict]:
     """The processes /healthz lists; [] when nothing answers on the port."""
     try:
-        status, body, _ = http("GET", router.url + "/healthz", timeout=5)
+        status, body, _ = http("GET", router.url + "/healthz", timeout=5, token=router.token)
     except OSError:
         return []
     return body.get("processes", []) if status in (200, 503) else []
@@ -80,7 +80,9 @@ def test_one_port_two_processes_exact_bookings_and_one_view(redis_client, redis_
         request = urllib.request.Request(router.url + "/v1/admission", method="PUT", headers=auth,
                                          data=json.dumps({"busy_decode_pages": 2, "queue_size": 0}).encode())
         with urllib.request.urlopen(request, timeout=10) as reply:
-            assert json.loads(reply.read())["busy_decode_pages"] == 2
+            answer = json.loads(reply.read())
+        assert answer["busy_decode_pages"] == 2 and answer["scope"] == "replica", answer
+        assert answer["applied"] == ["process 0", "process 1"] and answer["not_applied"] == [], answer
         for _ in range(12):
             request = urllib.request.Request(router.url + "/v1/route", method="POST", headers={
                 "Content-Type": "application/json", **auth}, data=json.dumps(

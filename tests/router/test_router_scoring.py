@@ -280,9 +280,10 @@ def test_bookings_of_a_dead_router_expire(redis_server):
 
 
 #: What a router script may build from the key base (its header says why): keys that only the
-#: script learns, the hashes of bookings the bookings zset names and the pages sets and
-#: predicted pages of workers another key names.
-BUILT_FROM_THE_BASE = {":bk:", ":w:"}
+#: script learns, the hashes of bookings the bookings zset names, the pages sets and
+#: predicted pages of workers another key names, and a client's sample count for the worker
+#: a booking names (release.lua).
+BUILT_FROM_THE_BASE = {":bk:", ":w:", ":rs:"}
 
 
 def test_router_scripts_are_given_every_key_their_caller_knows():

@@ -611,6 +611,12 @@ def check_router_front_door(routers: list[RouterView]) -> list[Finding]:
         if not r.reachable or r.error:
             continue
         h = r.healthz
+        if h.summary_only:
+            out.append(Finding(
+                check="router_details", status=Status.WARN, subject=r.url,
+                finding="the router has --auth-token and showed only a summary of its health: its circuits, "
+                        "queue, rates and indexes were not checked",
+                fix="give kvtier doctor the routers' token in KVTIER_AUTH_TOKEN"))
         for c in h.open_circuits:
             out.append(Finding(
                 check="router_circuit", status=Status.WARN, subject=f"{r.url} {c.model}/{c.worker_id}",

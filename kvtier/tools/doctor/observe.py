@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 import urllib.error
@@ -238,8 +239,17 @@ async def observe_nats(url: str, workers: list[WorkerRecord], timeout: float) ->
     return view
 
 
+#: The routers' bearer token, as `kvtier router` reads it from its environment: a router with
+#: --auth-token shows only a summary of its /healthz to a reader without it.
+ROUTER_TOKEN_VARIABLE = "KVTIER_AUTH_TOKEN"
+
+
 def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers={"User-Agent": "kvtier-doctor"})
+    headers = {"User-Agent": "kvtier-doctor"}
+    token = os.environ.get(ROUTER_TOKEN_VARIABLE, "").strip()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read(1 << 22)
