@@ -233,7 +233,8 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
             "open_circuits": [{"model": "m", "worker_id": "w3", "failures": 3, "reopens_in_s": 4.5}],
             "queue": {"depth": 2, "peak": 7, "size": 256, "timeout_s": 10.0},
             "processes": [{"index": 1, "pid": 4242, "status": "ok", "decisions": 9, "in_flight": 1,
-                           "queue_depth": 0, "indexes_ready": True}]}
+                           "queue_depth": 0, "indexes_ready": True}],
+            "summary_only": False}
     raw = msgspec.json.encode(body)
     health = decode_router_health(raw)
     assert msgspec.json.encode(health) == raw
