@@ -10,6 +10,9 @@ import aiohttp
 
 from kvtier.schemas.routing import RouteResponse
 
+#: How an SSE answer ends (OpenAI's and SGLang's streams alike).
+STREAM_END = b"data: [DONE]"
+
 
 class Relay:
     """One answer being relayed: its upstream, whether it streams, the release of its first

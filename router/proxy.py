@@ -37,7 +37,7 @@ from kvtier.schemas.subjects import name_of_token
 
 from . import rates
 from .admission import AdmissionQueue
-from .answers import AnswerTail, Relay, answer_headers, malformed
+from .answers import STREAM_END, AnswerTail, Relay, answer_headers, malformed
 from .core import Outcome, Router, RoutingError
 from .refusals import OPENAI_PATHS, Refused, check_budget, check_tokens, decode_body, error_response, json_encoder
 from .releases import Releases
@@ -407,12 +407,29 @@ class Proxy:
                 first_token_ms = max((now - received - router_s) * 1000, 0.001)
             relay.first_token_release = self.releases.later(model, decision.request_id, ReleaseStage.FIRST_TOKEN,
                                                             first_token_ms)
+        recorded = False
+
+        def record_end() -> None:
+            # Recorded before the answer's end goes out: a client that reads /metrics or
+            # /healthz once it has its answer finds it counted (and one that closes right
+            # after the stream's [DONE], cancelling this handler, does not lose it).
+            nonlocal recorded
+            recorded = True
+            self.metrics.proxy_requests.labels("ok" if ok else "worker_error").inc()
+            if ok:
+                self.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - received)
+                if answer is not None:
+                    self.tokenization.check_counts(route, decision, reported_usage(answer.bytes(), streamed))
+                    self.tokenization.check_stored_later(model, decision, outcome.pages)
+
         await response.prepare(request)
         chunk = first
         try:
             while chunk:
                 if answer is not None and ok:
                     answer.add(chunk, keep_all=not streamed)
+                if streamed and not recorded and chunk.rstrip().endswith(STREAM_END):
+                    record_end()
                 await response.write(chunk)
                 if relay.cut:
                     break
@@ -425,14 +442,8 @@ class Proxy:
             if not await self._end_broken_answer(response, decision, None, relay):
                 raise ConnectionResetError(relay.cut)
             return response
-        # Recorded before the answer's end goes out: a client that reads /metrics or /healthz
-        # once it has its answer finds the answer counted.
-        self.metrics.proxy_requests.labels("ok" if ok else "worker_error").inc()
-        if ok:
-            self.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - received)
-            if answer is not None:
-                self.tokenization.check_counts(route, decision, reported_usage(answer.bytes(), streamed))
-                self.tokenization.check_stored_later(model, decision, outcome.pages)
+        if not recorded:
+            record_end()
         await response.write_eof()
         return response
 
