@@ -121,9 +121,14 @@ def _add_soak_parser(bench_sub) -> None:
 
 
 def _run_replay(args) -> int:
+    settings = read_settings(ReplayBench, args)
+    if settings.suite:
+        from kvtier.eval.suite import run_suite_bench
+
+        return run_suite_bench(settings)
     from kvtier.eval.replay import run_replay_bench
 
-    return run_replay_bench(read_settings(ReplayBench, args))
+    return run_replay_bench(settings)
 
 
 def _run_route(args) -> int:

@@ -112,6 +112,14 @@ class ReplayBench:
                                 "policy).")
     time_scale: float = setting(30.0, flag="--time-scale", parse=positive_float,
                                 help="With --realtime: trace seconds per wall second.")
+    suite: bool = switch(
+        flag="--suite", help="Run every workload of the suite (kvtier/eval/workloads.py) on equal workers and on "
+                             "half at half speed, in process, over seeds, and print one table of ratios to "
+                             "tier_aware (--trace is not read).")
+    held_out: bool = switch(flag="--held-out", help="With --suite: the seeds kept out of any tuning.")
+    workloads: str = setting("", flag="--workloads",
+                             help="With --suite: comma-separated subset of conversation, synthetic, agentic, "
+                                  "shared_prompts, bursty (default: all).")
     json: bool = switch(flag="--json", help="Print one JSON object as the last line.")
 
 
