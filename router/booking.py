@@ -16,14 +16,25 @@ from kvtier.schemas.rates import RateFit, decode_fit
 from kvtier.schemas.routing import ReleaseStage
 from kvtier.schemas.state_keys import ModelKeys, as_text
 
-from .rates import CLIENT_SAMPLES, FIT_SETTINGS, RATE_PRIOR, Work, fit_arguments
+from .rates import (
+    CLIENT_SAMPLES,
+    ERROR_MEMORY,
+    FASTER_PICK,
+    FIT_SETTINGS,
+    RATE_PRIOR,
+    FasterPick,
+    TtftColumns,
+    Work,
+    fit_arguments,
+)
 from .settings import BOOKING_TTL_S
 
 _COMMON = load_lua("kvtier.router", "bookings.lua")
 #: The fit's prior and settings as release.lua passes them to learn_rate (router/rates.py).
 _FIT_ARGUMENTS = fit_arguments(RATE_PRIOR, FIT_SETTINGS)
 #: What a client's first token may teach, as release.lua takes it.
-_CLIENT_ARGUMENTS = [str(CLIENT_SAMPLES.per_minute), repr(CLIENT_SAMPLES.max_step), repr(CLIENT_SAMPLES.late_slack_ms)]
+_CLIENT_ARGUMENTS = [str(CLIENT_SAMPLES.per_minute), repr(CLIENT_SAMPLES.max_step), repr(CLIENT_SAMPLES.late_slack_ms),
+                     repr(ERROR_MEMORY)]
 
 
 def owner_digest(owner: str) -> str:
@@ -57,6 +68,10 @@ class Released:
     fit: RateFit | None = None  # the worker's rates after a first token that taught them
     not_owner: bool = False  # the booking is there, and the owner given is not its own
     sample_refused: str = ""  # why a client's first token taught nothing (rates.SAMPLE_REFUSALS)
+    #: For a first token that taught: what the fit predicted (ms), and how far off that was, as
+    #: a fraction of the true time (> 0: predicted too long; rates.track_error).
+    predicted_ttft_ms: float | None = None
+    ttft_error: float | None = None
 
 
 class Checked(enum.IntEnum):
@@ -108,13 +123,15 @@ class LoadBook:
                               candidates: Sequence[tuple[str, float, int]], prefill_load_scale: float,
                               temperature: float, u: float, book: bool = True,
                               selection: str = "score", predict: str = "",
-                              devices: Sequence[int] = (), scales: Sequence[float] = (),
+                              devices: Sequence[int] = (), faster: TtftColumns | None = None,
+                              pick: FasterPick = FASTER_PICK,
                               works: Sequence[tuple[Work, int]] = (), owner: str = "") -> Selection:
         """`candidates`: (worker id, cache credit, pages it need not compute) in a fixed order.
         `selection`: "score" (the formula), "round-robin" or "random" (select_and_book.lua).
         `predict`: the request's page keys blob to predict on the chosen worker past its
-        device overlap (`devices`, in candidate order); "" predicts nothing. `scales`: each
-        candidate's prefill_load_scale (the formula priced at its rates; empty: the one given).
+        device overlap (`devices`, in candidate order); "" predicts nothing. `faster`: the
+        candidates' predicted first tokens: a clearly faster one replaces the formula's choice
+        (rates.faster_than_formula by `pick`; None: the formula's).
         `works`: each candidate's predicted work before its booked prefill, with its page size
         (empty: the booking teaches nothing at its first token). `owner`: the secret a client's
         release must give ("": none)."""
@@ -127,8 +144,9 @@ class LoadBook:
         args += (",".join(c[0] for c in candidates), ",".join(repr(float(c[1])) for c in candidates),
                  ",".join(str(c[2]) for c in candidates), selection, predict if book else "",
                  ",".join(str(d) for d in devices) if predict else "",
-                 ",".join(repr(float(x)) for x in scales),
-                 ",".join(f"{w.text()} {size}" for w, size in works), owner_digest(owner) if owner else "")
+                 faster.text() if faster is not None else "",
+                 ",".join(f"{w.text()} {size}" for w, size in works), owner_digest(owner) if owner else "",
+                 repr(float(pick.margin)), repr(float(pick.faster_by)))
         raw = await self._select(keys=[*_load_keys(keys), keys.booking(request_id), keys.round_robin], args=args)
         if int(raw[0]) == -1:
             raise AlreadyBooked(request_id, as_text(raw[1] or b""))
@@ -174,14 +192,18 @@ class LoadBook:
         `owner`: the secret the booking's /v1/route answer gave ("": the router's own release,
         not checked); `client`: who reports the time, bounded by ClientSamples ("": trusted)."""
         keys = ModelKeys.for_model(model)
-        raw = await self._run(self._release, [*_load_keys(keys), keys.booking(request_id), keys.rates],
+        raw = await self._run(self._release,
+                              [*_load_keys(keys), keys.booking(request_id), keys.rates, keys.ttft_errors],
                               [keys.base, request_id, stage.value, _now_ms(), 32,
                                "" if ttft_ms is None else repr(float(ttft_ms)), *_FIT_ARGUMENTS,
                                owner_digest(owner) if owner else "", client, *_CLIENT_ARGUMENTS])
         fit = decode_fit(raw[5]) if raw[5] else None
         found = int(raw[0])
+        predicted, off = (as_text(raw[i] or b"") for i in (7, 8))
         return Released(found == 1, as_text(raw[1]), int(raw[2]), int(raw[3]), int(raw[4] or 0), fit,
-                        not_owner=found == -1, sample_refused=as_text(raw[6] or b""))
+                        not_owner=found == -1, sample_refused=as_text(raw[6] or b""),
+                        predicted_ttft_ms=float(predicted) if predicted else None,
+                        ttft_error=float(off) if off else None)
 
     async def _run(self, script, keys: list, args: list):
         if self._shared is None:

@@ -39,6 +39,12 @@ class ClusterChecks:
             for kind, value in (("compute", r.compute), ("host_load", r.host_load), ("l3_load", r.l3_load))})
         metrics.replace_series(metrics.worker_rate_samples,
                                {(r.model, r.worker_id): r.samples for r in self.worker_rates})
+        compared = [r for r in self.worker_rates if r.ttft_compared]
+        metrics.replace_series(metrics.ttft_prediction_error, {
+            (r.model, r.worker_id, stat): value for r in compared
+            for stat, value in (("mape", r.ttft_mape), ("bias", r.ttft_bias))})
+        metrics.replace_series(metrics.ttft_predictions_compared,
+                               {(r.model, r.worker_id): r.ttft_compared for r in compared})
         metrics.replace_series(metrics.worker_hash_mismatch,
                                {(model, check.worker_id): check.mismatched for model, check in found})
         for model, check in found:

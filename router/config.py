@@ -50,8 +50,9 @@ class RouterConfig:
     http_port: int = setting(8000, flag="--http-port", parse=int, help="HTTP port (0: a free one, printed at start).")
     router_mode: RouterMode = choice(
         RouterMode, RouterMode.KV, flag="--router-mode",
-        help="kv: tier-aware scoring; predicted-ttft: the same formula priced at each worker's rates, learned "
-             "from first-token times (for workers that differ in speed); load: booked load only (cache weights 0); "
+        help="kv: tier-aware scoring; predicted-ttft: the formula's choice, moved to a worker clearly faster at "
+             "the rates learned from first-token times (for workers that differ in speed; equal workers: the "
+             "formula's); load: booked load only (cache weights 0); "
              "round-robin / random: baselines for A/B tests (the turn is shared by every replica; decisions still "
              "report the scores and book load).")
     seed: int | None = setting(
@@ -302,7 +303,7 @@ class RouterConfig:
             state_source=self.state_source, breaker_failures=self.breaker_failures,
             breaker_backoff_s=self.breaker_backoff_s, session_ttl_s=self.session_ttl_s, admission=self.admission(),
             selection=self.router_mode.value if self.router_mode in _BASELINES else "score",
-            priced=self.router_mode is RouterMode.PREDICTED_TTFT, learn_rates=self.learn_rates)
+            faster_pick=self.router_mode is RouterMode.PREDICTED_TTFT, learn_rates=self.learn_rates)
 
     def admission(self) -> AdmissionSettings:
         return AdmissionSettings(busy_prefill_tokens=self.busy_prefill_tokens,

@@ -248,7 +248,7 @@ class Router:
         n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
         decode_pages = steps.decode_pages_of(len(request.token_ids), request.max_new_tokens, primary_size)
         return lean.LeanInputs(ids, overlaps, live, change, degraded, shared, primary_size, n_pages, decode_pages,
-                               [] if self.settings.priced else steps.lean_credits(ids, overlaps, weights))
+                               steps.lean_credits(ids, overlaps, weights))
 
     def _lean_outcome(self, request: RouteRequest, request_id: str, weights: ScoringWeights, u: float,
                       started: float, read: lean.LeanInputs, booked: lean.LeanBooked, directory: ModelDirectory,
@@ -264,13 +264,14 @@ class Router:
             request_id=request_id, worker_id=winner_id, logit=booked.logits[booked.chosen],
             overlap=read.overlaps[winner_id], candidates=candidates if request.explain else [],
             request_pages=read.n_pages, page_size=read.primary_size, degraded=read.degraded, booked=request.book,
-            worker_url=meta.http_endpoint if meta else "", affinity=booked.affinity)
+            worker_url=meta.http_endpoint if meta else "", affinity=booked.affinity,
+            predicted_ttft_ms=booked.predicted_ttft_ms)
         latency = time.perf_counter() - started
         self.recorder.observe(response, read.shared, read.n_pages, latency, "kv")
         decision = self.recorder.log(
             request_id=request_id, model=request.model, weights=weights, u=u, pages_by_size=pages_by_size,
             n_pages=read.n_pages, chosen=winner_id, candidates=candidates, degraded=read.degraded, latency=latency,
-            shared=read.shared)
+            shared=read.shared, predicted_ttft_ms=booked.predicted_ttft_ms)
         return Outcome(response, decision, pages_by_size.get(read.live[winner_id][0]))
 
     # --- the full read ------------------------------------------------------------------
@@ -292,24 +293,26 @@ class Router:
         fresh.sort(key=lambda v: v.worker_id)
         scores = steps.score_inputs(fresh, read.directory, shared, read.pages_by_size, len(request.token_ids),
                                     request.max_new_tokens, weights)
-        inputs = scores.inputs
-        credits, scales, pricing = await self._priced(model, [v.worker_id for v in found.views], scores, weights)
+        inputs, credits = scores.inputs, scores.credits
+        columns = (await self._ttft_columns(model, request, inputs, [v.page_size for v in fresh])
+                   if self.settings.faster_pick else None)
         affinity = ""
         if request.session_id:
             kept = await self._session_worker(model, request.session_id)
             index, affinity = steps.keep_session(inputs, kept, scores.n_pages, weights, u)
             if index is not None:
                 fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
-                scales = scales[index:index + 1]
+                columns = None  # the session's worker stays
         selection = await self._select_and_book(request, request_id, scores, inputs, credits, read.pages_by_size,
-                                                weights, u, scales, [v.page_size for v in fresh], owner)
+                                                weights, u, columns, [v.page_size for v in fresh], owner)
         booked_inputs = steps.with_loads(inputs, selection.prefill_loads, selection.decode_loads)
-        scored = rates.priced_score(scores.n_pages, booked_inputs, weights, pricing, u)
+        scored = steps.formula_then_faster(scores.n_pages, booked_inputs, weights, u, columns)
         if scored.chosen != selection.chosen and self.settings.selection == "score":
             self.metrics.scoring_mismatch.inc()
             log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
                       inputs[selection.chosen].worker_id, inputs[scored.chosen].worker_id, request_id)
         chosen = selection.chosen
+        predicted_ttft_ms = columns.predicted_ms(chosen, selection.prefill_loads[chosen]) if columns else None
         candidates = steps.scored_candidates(booked_inputs, scored.logits, [v.page_size for v in fresh])
         winner = candidates[chosen]
         meta = read.directory.workers.get(winner.worker_id)
@@ -317,7 +320,7 @@ class Router:
             request_id=request_id, worker_id=winner.worker_id, logit=winner.logit, overlap=winner.overlap,
             candidates=candidates, request_pages=scores.n_pages, page_size=scores.primary_size,
             degraded=found.degraded, booked=request.book, worker_url=meta.http_endpoint if meta else "",
-            affinity=affinity)
+            affinity=affinity, predicted_ttft_ms=predicted_ttft_ms)
         if request.session_id and request.book:
             await self.redis.set(ModelKeys.for_model(model).session(request.session_id), winner.worker_id,
                                  px=max(1, int(self.settings.session_ttl_s * 1000)))
@@ -327,22 +330,16 @@ class Router:
         decision = self.recorder.log(
             request_id=request_id, model=model, weights=weights, u=u, pages_by_size=read.pages_by_size,
             n_pages=scores.n_pages, chosen=winner.worker_id, candidates=candidates, degraded=found.degraded,
-            latency=latency, shared=shared)
+            latency=latency, shared=shared, predicted_ttft_ms=predicted_ttft_ms)
         return Outcome(response, decision, read.pages_by_size.get(fresh[chosen].page_size))
 
-    async def _priced(self, model: str, workers: list[str], scores: steps.ScoreInputs, weights: ScoringWeights
-                      ) -> tuple[list[float], list[float], dict[str, rates.Pricing] | None]:
-        """(credits, prefill_load_scales, pricing) of the candidates: with --router-mode
-        predicted-ttft, at each one's pricing against the workers of the read (their rates read
-        just before the booking, as the overlaps were); else the formula's ([] scales, None)."""
-        if not self.settings.priced:
-            return scores.credits, [], None
+    async def _ttft_columns(self, model: str, request: RouteRequest, inputs: list[scoring.CandidateInputs],
+                            page_sizes: list[int]) -> rates.TtftColumns:
+        """For --router-mode predicted-ttft: the candidates' rates.TtftColumns at the rates
+        Redis holds just before the booking, as the overlaps were read."""
         fits = fits_of(await self.redis.hgetall(ModelKeys.for_model(model).rates))
-        pricing = rates.pricing_by_worker(fits, workers)
-        inputs = scores.inputs
-        credits, scales = rates.priced_columns([c.worker_id for c in inputs], {c.worker_id: c.overlap for c in inputs},
-                                               weights, pricing)
-        return credits, scales, pricing
+        return rates.ttft_columns(len(request.token_ids), [c.overlap for c in inputs], page_sizes,
+                                  [fits.get(c.worker_id) for c in inputs], rates.RATE_PRIOR)
 
     async def _read_state(self, request: RouteRequest) -> _StateRead:
         """Every live worker's view (one round trip) while the shared pool is asked which pages
@@ -382,9 +379,11 @@ class Router:
     async def _select_and_book(self, request: RouteRequest, request_id: str, scores: steps.ScoreInputs,
                                inputs: list[scoring.CandidateInputs], credits: list[float],
                                pages_by_size: dict[int, RequestPages], weights: ScoringWeights,
-                               u: float, scales: list[float], page_sizes: list[int], owner: str = "") -> Selection:
-        """select_and_book.lua: the choice and its booking, atomic in Redis. `scales`: each
-        candidate's priced prefill_load_scale (empty: the weights'). The booking keeps what
+                               u: float, columns: rates.TtftColumns | None, page_sizes: list[int], owner: str = ""
+                               ) -> Selection:
+        """select_and_book.lua: the choice and its booking, atomic in Redis. `columns`: the
+        candidates' predicted first tokens, for the override of the formula's choice at the
+        loads Redis holds (rates.faster_than_formula; None: the formula's). The booking keeps what
         the chosen one's first token waits for, for its rates to learn from."""
         works = [(rates.predicted_work(len(request.token_ids), c.overlap, 0, size), size)
                  for c, size in zip(inputs, page_sizes)] if self.settings.learn_rates else []
@@ -396,7 +395,7 @@ class Router:
                 request.model, request_id, scores.n_pages, scores.decode_pages, steps.booking_offers(inputs, credits),
                 weights.prefill_load_scale, weights.temperature, u, book=request.book,
                 selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs],
-                scales=scales, works=works, owner=owner)
+                faster=columns, works=works, owner=owner)
         except AlreadyBooked as exc:
             raise DuplicateRequest(str(exc)) from None
 
@@ -454,7 +453,8 @@ class Router:
             self.metrics.rate_samples_refused.labels(released.sample_refused).inc()
         return ReleaseResponse(request_id=request_id, released=released.found, worker_id=released.worker_id,
                                prefill_pages=released.prefill_pages, decode_pages=released.decode_pages,
-                               sample_refused=released.sample_refused)
+                               sample_refused=released.sample_refused,
+                               predicted_ttft_ms=released.predicted_ttft_ms, ttft_error=released.ttft_error)
 
     async def close(self) -> None:
         """Stop the index followers and the bookings' own connection (the Redis client is the

@@ -59,7 +59,7 @@ class LeanInputs:
     primary_size: int
     n_pages: int
     decode_pages: int
-    credits: list[float]  # the formula's; empty when priced (priced per try on the copy's rates)
+    credits: list[float]  # the formula's
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class LeanBooked:
     prefill: list[int]  # the copy's loads, in candidate order
     decode: list[int]
     pool: list[int]  # the indexes of the candidates under the busy thresholds
+    predicted_ttft_ms: float | None = None  # with predicted-ttft: the chosen one's, at its trusted fit
 
 
 async def usable_roster(index: ModelIndex, held: ModelRoster) -> Roster | str:
@@ -150,13 +151,13 @@ class CopyBooking:
                 change=change, lease_count=roster.lease_count, stale_count=len(roster.stale),
                 marker_id=roster.marker_id, book=request.book, session_id=request.session_id,
                 session_ttl_ms=max(1, int(self.settings.session_ttl_s * 1000)), leave_session=leave,
-                work=work, with_rates=self.settings.priced, owner=owner)
+                work=work, with_rates=self.settings.faster_pick, owner=owner)
             if answer.outcome is Checked.BOOKED:
                 if request.book:
                     self._follow_booking(roster, session, worker, prefill_pages, lean.decode_pages, answer.load_version)
                 kept_by_redis = session is not None and answer.worker_id == worker
                 affinity = ("kept" if chosen == formula else "overrode") if kept_by_redis else ""
-                return LeanBooked(chosen, values, affinity, prefill, decode, pool)
+                return LeanBooked(chosen, values, affinity, prefill, decode, pool, self._predict(roster, worker, work))
             if answer.outcome is Checked.ALREADY_BOOKED:
                 raise DuplicateRequest(str(AlreadyBooked(request_id, answer.worker_id)))
             if answer.outcome is Checked.LOADS_MOVED:
@@ -175,19 +176,30 @@ class CopyBooking:
     def _choose(self, roster: Roster, lean: LeanInputs, pool: list[int], prefill: list[int], decode: list[int],
                 weights: ScoringWeights, u: float, kept: str | None, n_tokens: int
                 ) -> tuple[int, int, list[float], rates.Work | None]:
-        """steps.choose_on_copy, with --router-mode predicted-ttft at the copy's rates (the
-        candidates priced against the roster's live workers); and, with --learn-rates, the work
-        the proposed worker's first token would wait for, for its rates to learn from."""
-        credits, scales = lean.credits, None
-        if self.settings.priced:
-            credits, scales = rates.columns_at(lean.ids, lean.overlaps, weights, roster.priced_weights(weights))
-        chosen, formula, values = steps.choose_on_copy(lean.ids, pool, lean.n_pages, credits, prefill, decode,
-                                                       weights, u, kept, scales)
+        """steps.choose_on_copy; with --router-mode predicted-ttft, a worker clearly faster at
+        the copy's rates instead of the formula's (rates.faster_than_formula; a kept session's
+        worker stays), reported as the policy's own choice; and, with --learn-rates, the work the
+        proposed worker's first token would wait for, for its rates to learn from."""
+        chosen, formula, values = steps.choose_on_copy(lean.ids, pool, lean.n_pages, lean.credits, prefill, decode,
+                                                       weights, u, kept)
+        if self.settings.faster_pick and chosen == formula:
+            ids = lean.ids
+            columns = rates.ttft_columns(n_tokens, [lean.overlaps[w] for w in ids], [roster.live[w][0] for w in ids],
+                                         [roster.rates.get(w) for w in ids], rates.RATE_PRIOR)
+            chosen = formula = rates.faster_than_formula(formula, pool, columns, prefill, decode)
         if not self.settings.learn_rates:
             return chosen, formula, values, None
         worker = lean.ids[chosen]
         return chosen, formula, values, rates.predicted_work(n_tokens, lean.overlaps[worker], prefill[chosen],
                                                              roster.live[worker][0])
+
+    def _predict(self, roster: Roster, worker: str, work: rates.Work | None) -> float | None:
+        """With --router-mode predicted-ttft, what the chosen worker's trusted fit predicts for
+        the work its first token waits for (ms)."""
+        fit = roster.rates.get(worker)
+        if not self.settings.faster_pick or work is None or fit is None or not rates.FASTER_PICK.trusted(fit):
+            return None
+        return rates.predict_s(fit, rates.RATE_PRIOR, work) * 1000
 
     def _follow_booking(self, roster: Roster, session: tuple[str, str] | None, worker: str, prefill_pages: int,
                         decode_pages: int, load_version: int) -> None:

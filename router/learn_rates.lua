@@ -9,7 +9,11 @@
 --   kind, 4 forgetting, 5 outlier errors, 6 error memory, 7 warmup, 8 lowest multiplier,
 --   9 highest multiplier, 10 max uncertainty, 11 kinds correlated, 12 change after, 13 the
 --   first token's floor (s).
--- Returns the worker's fit after the sample, encoded (unchanged when the sample says nothing).
+-- Returns the worker's fit after the sample, encoded (unchanged when the sample says nothing),
+-- and, when the sample taught, what the fit predicted for the work before it and the first
+-- token's time at the floor (for track_error).
+-- track_error(errors_key, worker, predicted, ttft, memory): router/rates.py `track_error` on
+--   the worker's PredictionError (schemas/rates.py ERROR_LAYOUT) in the model's errors hash.
 -- schemas/rates.py FIT_LAYOUT: 15 little-endian doubles (multipliers, covariance, mean error,
 -- samples, streak); exact, and far cheaper than writing and parsing 17-digit decimals.
 local FIT_LAYOUT = '<ddddddddddddddd'
@@ -38,7 +42,7 @@ local function learn_rate(rates_key, worker, work, ttft, a, max_step)
                    work[3] * (1 / tonumber(a[3]))}
   -- (ttft > 0 is false for NaN too: a time that is not positive says nothing)
   if not (ttft > 0) or not (nominal[1] > 0 or nominal[2] > 0 or nominal[3] > 0) then
-    return held or encode_fit(f)
+    return held or encode_fit(f), nil, nil
   end
   ttft = math.max(ttft, tonumber(a[13]))  -- under the clocks' resolution: the floor
   local theta = {f[1], f[2], f[3]}
@@ -82,12 +86,25 @@ local function learn_rate(rates_key, worker, work, ttft, a, max_step)
   if trace > max_uncertainty then
     for k = 4, 12 do out[k] = out[k] * max_uncertainty / trace end
   end
-  local memory = memory_w
-  if samples == 0 then memory = 1.0 end
+  -- the mean of the first errors, then the recent ones' (rates.py observe)
+  local memory = math.max(memory_w, 1.0 / (samples + 1))
   out[13] = (1 - memory) * err_s + memory * math.abs(err)
   out[14] = samples + 1
   out[15] = streak
   local encoded = encode_fit(out)
   redis.call('HSET', rates_key, worker, encoded)
-  return encoded
+  return encoded, predicted, ttft
+end
+
+local ERROR_LAYOUT = '<ddd'
+local function track_error(errors_key, worker, predicted, ttft, memory)
+  local held = redis.call('HGET', errors_key, worker)
+  local samples, mape, bias = 0, 0.0, 0.0
+  if held and #held == 24 then samples, mape, bias = struct.unpack(ERROR_LAYOUT, held) end
+  local off = (predicted - ttft) / ttft
+  local weight = math.max(memory, 1.0 / (samples + 1))
+  mape = (1 - weight) * mape + weight * math.abs(off)
+  bias = (1 - weight) * bias + weight * off
+  redis.call('HSET', errors_key, worker, struct.pack(ERROR_LAYOUT, samples + 1, mape, bias))
+  return off
 end

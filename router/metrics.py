@@ -117,6 +117,14 @@ class RouterMetrics:
         self.worker_rate_samples = Gauge("router_worker_rate_samples",
                                          "First tokens each worker's learned rates were fitted on",
                                          ["model", "worker"], multiprocess_mode="livemax", registry=r)
+        self.ttft_prediction_error = Gauge(
+            "router_ttft_prediction_error",
+            "How far each worker's first tokens came from what its learned rates predicted just before each, over "
+            "about the last 20, as a fraction of the true time: stat=mape (mean absolute) or bias (mean signed; "
+            "> 0: predicted too long)", ["model", "worker", "stat"], multiprocess_mode="livemax", registry=r)
+        self.ttft_predictions_compared = Gauge("router_ttft_predictions_compared",
+                                               "First tokens compared with their prediction, per worker",
+                                               ["model", "worker"], multiprocess_mode="livemax", registry=r)
 
     def _add_index_metrics(self, r: CollectorRegistry) -> None:
         """This replica's in-memory index of the workers' pages, and their hashes' checks."""

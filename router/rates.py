@@ -1,4 +1,4 @@
-"""Each worker's rates, learned from what a router observes, and the formula priced at them:
+"""Each worker's rates, learned from what a router observes, and the choice they allow:
 pure functions (no I/O, no clock), the spec the Redis twin (learn_rates.lua) is checked
 against.
 
@@ -18,25 +18,29 @@ per worker by recursive least squares:
 - bounded: multipliers stay within `bounds`, and the covariance's trace within
   `max_uncertainty`, so a long quiet spell cannot make the next sample swing the fit.
 
-Pricing. `priced_logits` is the scoring formula (router/scoring.py) with each worker's terms
-priced relative to the typical (median) worker: its prefill work weighs its compute
-multiplier over the typical one, and its host and pool credits shrink where its loads are
-slower than its compute relative to the typical worker. On a cluster of equal workers every
-factor is 1 and the decisions are the formula's, whatever the prior.
+Choosing. `faster_than_formula` (--router-mode predicted-ttft) keeps the formula's choice
+unless every candidate's fit is trusted and another candidate, clearly faster at compute by
+its learned rates, is predicted to give the first token sooner by a wide margin without
+recomputing what the formula's worker holds or taking more decode load than it (FasterPick).
+What it prices is what delays a first token: the prefill queued ahead at the worker's compute
+rate, its recompute, load-back and pool fetch at its learned rates; not decode, which the
+formula weighs for TPOT. Only a worker faster beyond both fits' errors may take a request:
+where the workers are equal (learned within FasterPick.faster_by and their fits' errors of
+each other) every decision is the formula's, by construction; the replay suite
+(kvtier/eval/suite.py) measures what it gains where they are not.
+
+Checking. Each first token that teaches is first compared with what the fit predicted for
+it (`track_error`, PredictionError): the routers show each worker's running MAPE and bias,
+and a replay the same figure over its run.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
-
-from kvtier.router import scoring
-from kvtier.router.tier_index import NO_OVERLAP
-from kvtier.schemas.rates import RateFit, RatePrior
-from kvtier.schemas.routing import ScoringWeights, TierOverlap
+from kvtier.schemas.rates import PredictionError, RateFit, RatePrior
+from kvtier.schemas.routing import TierOverlap
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ class ClientSamples:
     from many bookings, not from one client's story. The proxy's own timings, and a router's
     clients that hold its token, teach in full.
 
-    With the defaults one client moves a multiplier at most 1.015^6 = 9.3% a minute, within
-    the EQUAL_WITHIN at which workers are priced alike: it cannot turn a tie in a minute."""
+    With the defaults one client moves a multiplier at most 1.015^6 = 9.3% a minute, well
+    within FasterPick's 20% margin: in a minute it cannot make the router override the
+    formula between equal workers."""
 
     #: Samples one client (its address) may teach each worker per minute; past them a
     #: release still gives the load back, and teaches nothing (reason "budget").
@@ -191,108 +196,157 @@ def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings:
     trace = covariance[0] + covariance[4] + covariance[8]
     if trace > settings.max_uncertainty:
         covariance = [c * settings.max_uncertainty / trace for c in covariance]
-    memory = settings.error_memory if fit.samples else 1.0
+    memory = max(settings.error_memory, 1.0 / (fit.samples + 1))  # the mean of the first ones, then recent
     return RateFit(multipliers=(multipliers[0], multipliers[1], multipliers[2]), covariance=tuple(covariance),
                    relative_error=(1 - memory) * fit.relative_error + memory * abs(error), samples=fit.samples + 1,
                    streak=streak)
 
 
+#: Weight of the newest first token in a worker's running prediction error (PredictionError):
+#: the mean of the first 20, then about the last 20.
+ERROR_MEMORY = 0.05
+
+
+def track_error(held: PredictionError, predicted_s: float, ttft_s: float, memory: float = ERROR_MEMORY
+                ) -> tuple[PredictionError, float]:
+    """`held` after one first token that took `ttft_s` (> 0) where `predicted_s` was predicted,
+    and that one's error: relative to the true time, signed so that > 0 predicts too long."""
+    off = (predicted_s - ttft_s) / ttft_s
+    weight = max(memory, 1.0 / (held.samples + 1))
+    return PredictionError(samples=held.samples + 1, mape=(1 - weight) * held.mape + weight * abs(off),
+                           bias=(1 - weight) * held.bias + weight * off), off
+
+
+def observe_and_track(fit: RateFit, held: PredictionError, prior: RatePrior, work: Work, ttft_s: float,
+                      settings: FitSettings = FitSettings(), max_step: float = 0.0
+                      ) -> tuple[RateFit, PredictionError, float | None]:
+    """What a first token's release does (release.lua): the fit after it (`observe`) and, when
+    the sample teaches, the worker's prediction error with the fit's prediction just before it
+    (the first token's time at the clocks' floor, as the fit takes it), and that one's error
+    (None: the sample taught nothing)."""
+    nominal = work.nominal_s(prior)
+    if not ttft_s > 0 or not any(v > 0 for v in nominal):
+        return fit, held, None
+    predicted = predict_s(fit, prior, work)
+    tracked, off = track_error(held, predicted, max(ttft_s, settings.first_token_floor_s))
+    return observe(fit, prior, work, ttft_s, settings, max_step), tracked, off
+
+
 @dataclass(frozen=True)
-class Pricing:
-    """One worker's factors relative to the typical worker (all 1: priced as the formula)."""
+class FasterPick:
+    """When --router-mode predicted-ttft overrides the formula's choice (`faster_than_formula`).
 
-    compute: float = 1.0
-    host_load: float = 1.0  # its host loads against its compute, over the typical worker's
-    l3_load: float = 1.0
+    The formula weighs decode load for TPOT and credits cached pages at fixed weights; what it
+    cannot see is a worker's speed. The override moves a request off the formula's worker only
+    where the learned rates say, by a wide margin, that another one gives its first token
+    sooner without taking on work the formula's worker would not: with fewer than
+    `min_samples` first tokens behind any candidate's fit, or a candidate that just changed
+    (its fit's streak), the formula's choice stands: wherever the rates are unsure, decisions
+    are the formula's."""
 
+    #: The override's predicted first token must be at least this much sooner than the
+    #: formula's (at 0.35 and 0.5 the suite's mixed clusters gained less and its bursty
+    #: workload lost more, docs/benchmarks/replay.md).
+    margin: float = 0.2
+    #: And the override's worker must compute faster than the formula's by this much beyond
+    #: both fits' mean relative errors: its seconds per token x (1 + its error) under
+    #: (1 - faster_by) x the other's x (1 - the other's error). Between workers whose fits
+    #: differ by less, nothing moves; where the rates predict first tokens poorly (a workload
+    #: they do not fit: errors of 30% and more), nothing moves either. Without the errors, at
+    #: 0.2 and at 0.33, the suite's equal workers saw overrides (fits 20-30% apart on agentic,
+    #: bursty and shared-prompt workloads) and lost up to 7% at p99; with them, none.
+    faster_by: float = 0.2
+    min_samples: int = 20
 
-#: Workers whose factors differ by less than this are priced alike: the fit's noise must not
-#: turn the formula's ties, which its random draw spreads over equal workers, into a rule that
-#: always picks whichever worker's fit came out a hair faster. 10%: at 5% the noise of fits
-#: learned at each first token still moved equal workers' median TTFT by 2.3% (conversation
-#: trace, no L3, docs/benchmarks/replay.md); a worker 10% slower than the typical one is
-#: priced as typical.
-EQUAL_WITHIN = 0.10
-
-
-def _snap(factor: float) -> float:
-    return 1.0 if abs(factor - 1.0) < EQUAL_WITHIN else factor
-
-
-def relative_pricing(fits: Sequence[RateFit | None]) -> list[Pricing]:
-    """Each worker's Pricing against the median of the fits given; a worker with no fit yet is
-    priced as the typical one."""
-    known = [f.multipliers for f in fits if f is not None]
-    if not known:
-        return [Pricing() for _ in fits]
-    compute = statistics.median(m[0] for m in known)
-    host = statistics.median(m[1] / m[0] for m in known)
-    l3 = statistics.median(m[2] / m[0] for m in known)
-    return [Pricing() if f is None else
-            Pricing(compute=_snap(f.multipliers[0] / compute),
-                    host_load=_snap(f.multipliers[1] / f.multipliers[0] / host),
-                    l3_load=_snap(f.multipliers[2] / f.multipliers[0] / l3))
-            for f in fits]
+    def trusted(self, fit: RateFit | None) -> bool:
+        return fit is not None and fit.samples >= self.min_samples and fit.streak == 0
 
 
-def priced_weights(weights: ScoringWeights, pricing: Pricing) -> ScoringWeights:
-    """The formula's weights for one worker at its pricing: its prefill work weighs its compute
-    factor more, and a host or pool page saves what it saves on the typical worker scaled by how
-    much slower this worker's loads are than its compute (never below nothing). A factor of 1
-    leaves its weight as it is, so equal workers are scored exactly as the formula scores them."""
-    changes = {}
-    if pricing.compute != 1.0:
-        changes["prefill_load_scale"] = weights.prefill_load_scale * pricing.compute
-    if pricing.host_load != 1.0:
-        changes["host_cache_hit_weight"] = max(1 - (1 - weights.host_cache_hit_weight) * pricing.host_load, 0.0)
-    if pricing.l3_load != 1.0:
-        changes["shared_cache_multiplier"] = max(1 - (1 - weights.shared_cache_multiplier) * pricing.l3_load, 0.0)
-    return msgspec.structs.replace(weights, **changes) if changes else weights
+FASTER_PICK = FasterPick()
 
 
-def priced_logits(request_pages: int, candidates: Sequence[scoring.CandidateInputs], weights: ScoringWeights,
-                  pricing: Sequence[Pricing]) -> list[float]:
-    """The formula (router/scoring.py) for each candidate at its own priced weights."""
-    return [scoring.score_terms(request_pages, c, priced_weights(weights, p)).logit
-            for c, p in zip(candidates, pricing)]
+@dataclass(frozen=True)
+class TtftColumns:
+    """Each candidate's predicted first-token time, in two parts (seconds): its own work with
+    nothing queued ahead (recompute, host load-back, pool fetch at its rates), and what each
+    prefill page booked ahead of it adds (its compute rate); and its compute seconds per
+    token with the fit's mean relative error (`spread`), which say which workers are clearly
+    faster. A column per candidate, so the Redis twin
+    (select_and_book.lua) adds its live loads the same way. A candidate whose fit is not
+    trusted (FasterPick.trusted) has zeros, and no override is made among candidates that
+    include it."""
+
+    service_s: list[float]
+    queue_s_per_page: list[float]
+    compute_s_per_token: list[float]
+    spread: list[float]
+    trusted: list[bool]
+
+    def predicted_ms(self, i: int, prefill_pages: int) -> float | None:
+        """Candidate `i`'s first token with `prefill_pages` booked ahead of it, in ms (None:
+        its fit is not trusted)."""
+        if not self.trusted[i]:
+            return None
+        return 1000 * (self.service_s[i] + prefill_pages * self.queue_s_per_page[i])
+
+    def text(self) -> str:
+        """As select_and_book.lua takes them: "service queue compute spread" per candidate,
+        comma-separated, each float written to read back exactly; "" (no override) unless
+        every one is trusted."""
+        if not all(self.trusted):
+            return ""
+        return ",".join(f"{s!r} {q!r} {c!r} {e!r}" for s, q, c, e in
+                        zip(self.service_s, self.queue_s_per_page, self.compute_s_per_token, self.spread))
 
 
-def priced_score(request_pages: int, candidates: Sequence[scoring.CandidateInputs], weights: ScoringWeights,
-                 pricing: Mapping[str, Pricing] | None, u: float) -> scoring.Scored:
-    """router/scoring.py's `score` on the logits priced by worker (None: the formula's)."""
-    if pricing is None:
-        return scoring.score(request_pages, candidates, weights, u)
-    values = priced_logits(request_pages, candidates, weights, [pricing[c.worker_id] for c in candidates])
-    return scoring.Scored(scoring.choose(values, weights.temperature, u), values)
+def ttft_columns(n_tokens: int, overlaps: Sequence[TierOverlap], page_sizes: Sequence[int],
+                 fits: Sequence[RateFit | None], prior: RatePrior, pick: FasterPick = FASTER_PICK) -> TtftColumns:
+    """The candidates' TtftColumns at their fits."""
+    per_token = prior.seconds_per_token()[0]
+    service, queue, compute, spread, trusted = [], [], [], [], []
+    for overlap, size, fit in zip(overlaps, page_sizes, fits):
+        if fit is None or not pick.trusted(fit):
+            service.append(0.0)
+            queue.append(0.0)
+            compute.append(0.0)
+            spread.append(0.0)
+            trusted.append(False)
+            continue
+        service.append(predict_s(fit, prior, predicted_work(n_tokens, overlap, 0, size)))
+        queue.append(fit.multipliers[0] * (size * per_token))
+        compute.append(fit.multipliers[0] * per_token)
+        spread.append(fit.relative_error)
+        trusted.append(True)
+    return TtftColumns(service, queue, compute, spread, trusted)
 
 
-def pricing_by_worker(fits: Mapping[str, RateFit], workers: Sequence[str]) -> dict[str, Pricing]:
-    """Each of `workers` priced against the median of those that have a fit (a worker with
-    none yet is priced as the typical one)."""
-    return dict(zip(workers, relative_pricing([fits.get(w) for w in workers])))
+def faster_than_formula(formula: int, pool: Sequence[int], columns: TtftColumns | None, prefill: Sequence[int],
+                        decode: Sequence[int], pick: FasterPick = FASTER_PICK) -> int:
+    """The candidate to book instead of the formula's choice `formula` (itself when none is
+    clearly faster), among `pool` (candidate indexes). A candidate qualifies when it computes
+    faster than `formula`'s worker by more than `pick.faster_by` beyond both fits' errors (so
+    between equal workers nothing moves), and takes on no more than the formula's worker
+    would: its own work is predicted no slower (it does not recompute what the formula's worker
+    holds) and its decode load is no more (the formula weighs decode for TPOT). The qualified
+    candidate with the least predicted first token (service + prefill booked ahead x queue
+    seconds per page; ties: the lowest index) replaces `formula` when it is predicted sooner
+    by more than `pick.margin`; when any candidate of `pool` is not trusted, `formula` stands.
 
-
-def weights_by_worker(weights: ScoringWeights, pricing: Mapping[str, Pricing]) -> dict[str, ScoringWeights]:
-    """Each priced worker's weights (`priced_weights`)."""
-    return {worker: priced_weights(weights, p) for worker, p in pricing.items()}
-
-
-def columns_at(ids: Sequence[str], overlaps: Mapping[str, TierOverlap], weights: ScoringWeights,
-               by_worker: Mapping[str, ScoringWeights]) -> tuple[list[float], list[float]]:
-    """Each candidate's cache credit and prefill_load_scale at its own weights (`weights` for
-    a worker not in `by_worker`): what the lean choice (router/scoring.py `logits_scaled`) and
-    select_and_book.lua take, equal to `priced_logits` term by term. A worker the index holds
-    no page of has no credit, whatever its weights."""
-    credits, scales = [], []
-    for worker in ids:
-        priced = by_worker.get(worker, weights)
-        overlap = overlaps[worker]
-        credits.append(0.0 if overlap is NO_OVERLAP else scoring.cache_credit(overlap, priced))
-        scales.append(priced.prefill_load_scale)
-    return credits, scales
-
-
-def priced_columns(ids: Sequence[str], overlaps: Mapping[str, TierOverlap], weights: ScoringWeights,
-                   pricing: Mapping[str, Pricing]) -> tuple[list[float], list[float]]:
-    """`columns_at` at each candidate's pricing."""
-    return columns_at(ids, overlaps, weights, weights_by_worker(weights, pricing))
+    With a looser decode bound (up to the busiest candidate's load less the request's), the
+    suite's agentic workload on half-speed workers lost 3% at TTFT p50 in each of its seeds."""
+    if columns is None or not all(columns.trusted[i] for i in pool):
+        return formula
+    service, queue, compute = columns.service_s, columns.queue_s_per_page, columns.compute_s_per_token
+    margin, spread = pick.margin, columns.spread
+    own, decode_own = service[formula], decode[formula]
+    # clearly faster: its rate at the slow end of its fit's error under the formula's worker's
+    # at the fast end, by faster_by
+    faster = (1.0 - pick.faster_by) * compute[formula] * (1.0 - spread[formula])
+    best, best_s = formula, service[formula] + prefill[formula] * queue[formula]
+    limit = (1.0 - margin) * best_s
+    for i in pool:
+        if compute[i] * (1.0 + spread[i]) < faster and service[i] <= own and decode[i] <= decode_own:
+            ttft_s = service[i] + prefill[i] * queue[i]
+            if ttft_s < best_s:  # ties: the lowest index (the formula's own ttft never passes the margin)
+                best, best_s = i, ttft_s
+    return best if best_s < limit else formula

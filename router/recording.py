@@ -40,13 +40,14 @@ class DecisionRecorder:
 
     def log(self, *, request_id: str, model: str, weights: ScoringWeights, u: float,
             pages_by_size: Mapping[int, RequestPages], n_pages: int, chosen: str, candidates: list[CandidateScore],
-            degraded: list[str], latency: float, shared: steps.SharedAnswer | None) -> RouteDecision | None:
+            degraded: list[str], latency: float, shared: steps.SharedAnswer | None,
+            predicted_ttft_ms: float | None = None) -> RouteDecision | None:
         """The decision, submitted to the decision log; None when none is configured."""
         if self.decision_log is None:
             return None
         decision = steps.decision_record(
             request_id=request_id, model=model, router_id=self.router_id, ts=time.time(), weights=weights, u=u,
             pages_by_size=pages_by_size, n_pages=n_pages, chosen=chosen, candidates=candidates, degraded=degraded,
-            latency_s=latency, shared_queried=shared is not None)
+            latency_s=latency, shared_queried=shared is not None, predicted_ttft_ms=predicted_ttft_ms)
         self.decision_log.submit(decision)
         return decision

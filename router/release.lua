@@ -11,7 +11,7 @@
 -- per-minute budget for the worker, and each moves the fit at most max_step.
 -- KEYS: 1 prefill load hash, 2 decode load hash, 3 bookings zset, 4 load version (the load
 --       keys of bookings.lua), 5 the request's booking hash (none when sweeping), 6 the
---       model's rates hash
+--       model's rates hash, 7 its prediction errors hash (track_error)
 -- The key base (ARGV 1) builds only what bookings.lua says it builds (expired bookings'
 -- hashes, the predicted pages a booking names the worker of), and a client's sample count
 -- for the booking's worker (kvt:{m}:rs:<worker>:<client>), which only the booking names.
@@ -20,29 +20,31 @@
 --       booking), 7-19 the fit's prior and settings (learn_rate's `a`), 20 the owner digest
 --       the booking must hold ("": the router's own release, not checked), 21 the client
 --       whose samples are bounded ("": a trusted one, unbounded), 22 its samples per worker
---       per minute, 23 its max step, 24 the late slack (ms)
+--       per minute, 23 its max step, 24 the late slack (ms), 25 the prediction error's memory
 -- Returns {found (1|0, -1: the booking is another owner's), worker, prefill pages released,
 -- decode pages released, the load version after the release (0 when nothing was found), the
 -- worker's fit after a first token that taught it ("" otherwise), why a first token taught
--- nothing ("budget" | "late" | "")}.
+-- nothing ("budget" | "late" | ""), the fit's predicted first token (ms) and its error as
+-- a fraction of the true time (signed: > 0 predicted too long) for a first token that taught
+-- ("" otherwise)}.
 local base, request_id, stage = ARGV[1], ARGV[2], ARGV[3]
 if request_id == '' then
   sweep_expired(base, tonumber(ARGV[4]), tonumber(ARGV[5]))
-  return {0, '', 0, 0, 0, '', ''}
+  return {0, '', 0, 0, 0, '', '', '', ''}
 end
 local owner, client = ARGV[20] or '', ARGV[21] or ''
 if owner ~= '' and redis.call('HGET', KEYS[5], 'owner') ~= owner then
-  if redis.call('EXISTS', KEYS[5]) == 1 then return {-1, '', 0, 0, 0, '', ''} end
-  return {0, '', 0, 0, 0, '', ''}
+  if redis.call('EXISTS', KEYS[5]) == 1 then return {-1, '', 0, 0, 0, '', '', '', ''} end
+  return {0, '', 0, 0, 0, '', '', '', ''}
 end
 if stage == 'first_token' then
   local bk = KEYS[5]
   local held = redis.call('HMGET', bk, 'worker', 'prefill', 'work', 'at')
-  if not held[1] then return {0, '', 0, 0, 0, '', ''} end
+  if not held[1] then return {0, '', 0, 0, 0, '', '', '', ''} end
   local prefill = tonumber(held[2]) or 0
   add_load(LOAD.prefill, held[1], -prefill)
   redis.call('HSET', bk, 'prefill', 0)
-  local fit, refused = '', ''
+  local fit, refused, predicted_ms, off = '', '', '', ''
   if held[3] then  -- taught once: a second first-token release of the booking learns nothing
     redis.call('HDEL', bk, 'work')
     local work = {}
@@ -62,10 +64,18 @@ if stage == 'first_token' then
       end
       max_step = tonumber(ARGV[23])
     end
-    if refused == '' then fit = learn_rate(KEYS[6], held[1], work, ttft, {unpack(ARGV, 7, 19)}, max_step) end
+    if refused == '' then
+      local predicted, floored
+      fit, predicted, floored = learn_rate(KEYS[6], held[1], work, ttft, {unpack(ARGV, 7, 19)}, max_step)
+      if predicted then
+        -- as text: a Lua number in a script's answer becomes an integer
+        off = string.format('%.17g', track_error(KEYS[7], held[1], predicted, floored, tonumber(ARGV[25])))
+        predicted_ms = string.format('%.17g', predicted * 1000)
+      end
+    end
   end
-  return {1, held[1], prefill, 0, loads_changed(), fit, refused}
+  return {1, held[1], prefill, 0, loads_changed(), fit, refused, predicted_ms, off}
 end
 local held, version = drop_booking(base, KEYS[5], request_id)
-if not held[1] then return {0, '', 0, 0, 0, '', ''} end
-return {1, held[1], tonumber(held[2]) or 0, tonumber(held[3]) or 0, version, '', ''}
+if not held[1] then return {0, '', 0, 0, 0, '', '', '', ''} end
+return {1, held[1], tonumber(held[2]) or 0, tonumber(held[3]) or 0, version, '', '', '', ''}

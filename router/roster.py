@@ -25,17 +25,11 @@ from dataclasses import dataclass, field
 
 from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.rates import RateFit, decode_fit
-from kvtier.schemas.routing import ScoringWeights
 from kvtier.schemas.state_keys import ModelKeys, as_text
-
-from . import rates as worker_rates
 
 #: The longest a copy is used before it is read again whatever it holds (seconds): bounds how
 #: late a change no check sees (a page size) reaches decisions.
 ROSTER_MAX_AGE_S = 1.0
-#: Sets of weights whose priced form a copy keeps at once (the configured ones, and a few
-#: per-request overrides).
-PRICED_WEIGHT_SETS = 8
 
 
 def _pairs(flat_or_map):
@@ -47,7 +41,7 @@ def _pairs(flat_or_map):
 
 def fits_of(flat_or_map) -> dict[str, RateFit]:
     """The rates hash as HGETALL gives it; a field that is not a fit is left out (the worker
-    is priced as the typical one)."""
+    has no trusted fit: the formula's choice stands)."""
     fits = {}
     for worker, text in _pairs(flat_or_map):
         try:
@@ -84,25 +78,10 @@ class Roster:
     candidates: list[str] = field(default_factory=list)
     by_size: dict[int, list[str]] = field(default_factory=dict)
 
-    #: weights -> each candidate's weights priced at `rates` (`priced_weights`): computed once
-    #: per change of the rates, not per decision
-    _priced: dict[ScoringWeights, dict[str, ScoringWeights]] = field(default_factory=dict, repr=False)
-
     def __post_init__(self) -> None:
         self.candidates = sorted(w for w in self.live if w not in self.stale)
         for w in self.candidates:
             self.by_size.setdefault(self.live[w][0], []).append(w)
-
-    def priced_weights(self, weights: ScoringWeights) -> dict[str, ScoringWeights]:
-        """Each candidate's weights at its pricing against the candidates' rates in this copy
-        (router/rates.py); a few sets of weights are kept (requests may override them)."""
-        priced = self._priced.get(weights)
-        if priced is None:
-            if len(self._priced) >= PRICED_WEIGHT_SETS:
-                self._priced.clear()
-            pricing = worker_rates.pricing_by_worker(self.rates, self.candidates)
-            priced = self._priced[weights] = worker_rates.weights_by_worker(weights, pricing)
-        return priced
 
     def due(self, now_ms: int, now: float, max_age_s: float) -> bool:
         """Read it again before deciding: too old, or a lease it holds may have been renewed
@@ -115,7 +94,6 @@ class Roster:
         self.prefill, self.decode = _int_map(prefill), _int_map(decode)
         if rates is not None:
             self.rates = fits_of(rates)
-            self._priced.clear()
 
     def add(self, worker: str, prefill: int, decode: int, version_after: int, fit: RateFit | None = None) -> None:
         """Apply this replica's own load write (and the fit its release taught), whose answer
@@ -126,7 +104,6 @@ class Roster:
         self.load_version = version_after
         if fit is not None:
             self.rates[worker] = fit
-            self._priced.clear()
         for loads, delta in ((self.prefill, prefill), (self.decode, decode)):
             left = loads.get(worker, 0) + delta
             if left > 0:

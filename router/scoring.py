@@ -97,15 +97,6 @@ def logits_of(request_pages: int, credits: Sequence[float], prefill_loads: Seque
             for credit, prefill, decode in zip(credits, prefill_loads, decode_loads)]
 
 
-def logits_scaled(request_pages: int, credits: Sequence[float], prefill_loads: Sequence[int],
-                  decode_loads: Sequence[int], scales: Sequence[float]) -> list[float]:
-    """`logits_of` with each candidate's own prefill_load_scale (the formula priced at each
-    worker's rates, router/rates.py): the same arithmetic, so a scale equal for all gives
-    `logits_of`'s values."""
-    return [scale * (0.0 if 0.0 > (x := request_pages + prefill - credit) else x) + decode
-            for credit, prefill, decode, scale in zip(credits, prefill_loads, decode_loads, scales)]
-
-
 def choose(values: Sequence[float], temperature: float, u: float) -> int:
     """Index of the chosen candidate. `u` in [0, 1) breaks ties (T = 0) or samples (T > 0)."""
     if not values:

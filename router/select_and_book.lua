@@ -17,12 +17,15 @@
 --       15 the request's page keys (16 hex digits each) to predict on the chosen worker, or ""
 --       for no prediction; 16 each worker's device overlap (comma-separated): the chosen
 --       worker's pages past it are predicted there (one more booking holding each) until the
---       booking completes or expires; 17 each worker's prefill_load_scale (comma-separated:
---       the formula priced at its rates, router/rates.py), or "" for ARGV 7 for every worker;
+--       booking completes or expires; 17 each worker's predicted first token at its learned
+--       rates ("service-seconds queue-seconds-per-prefill-page compute-seconds-per-token
+--       fit-relative-error", comma-separated), or "" for the formula's choice: with them, a
+--       clearly faster worker replaces it (router/rates.py `faster_than_formula`);
 --       18 each worker's predicted work ("recompute host-load L3-load page-size", comma-
 --       separated): the chosen one's, with its booked prefill ahead added to the compute, is
 --       kept in the booking for release.lua to learn from ("": none), 19 the digest of the
---       booking's owner secret, which a client's release must give (release.lua; "": none)
+--       booking's owner secret, which a client's release must give (release.lua; "": none),
+--       20 the override's margin, 21 how much faster its worker must compute (FasterPick)
 -- Returns {chosen index (1-based) | -1 when the request id is already booked,
 --          worker prefill loads..., worker decode loads...} (loads as read before booking).
 local base, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -42,13 +45,11 @@ for d in string.gmatch(ARGV[13], '[^,]+') do devices[#devices + 1] = tonumber(d)
 local prefill = redis.call('HMGET', LOAD.prefill, unpack(workers))
 local decode = redis.call('HMGET', LOAD.decode, unpack(workers))
 
-local scales = {}
-for x in string.gmatch(ARGV[17] or '', '[^,]+') do scales[#scales + 1] = tonumber(x) end
 local logits, low, high = {}, math.huge, -math.huge
 for k = 1, #workers do
   prefill[k], decode[k] = tonumber(prefill[k]) or 0, tonumber(decode[k]) or 0
   local adjusted = math.max((request_pages + prefill[k]) - credits[k], 0)
-  logits[k] = (scales[k] or scale) * adjusted + decode[k]
+  logits[k] = scale * adjusted + decode[k]
   if logits[k] < low then low = logits[k] end
   if logits[k] > high then high = logits[k] end
 end
@@ -78,6 +79,32 @@ else
     running = running + weights[k]
     if target < running then chosen = k; break end
   end
+end
+
+if selection == 'score' and (ARGV[17] or '') ~= '' then
+  -- rates.faster_than_formula: a worker faster at compute than the formula's beyond both
+  -- fits' errors, whose own work is no slower and decode load no more, and whose first token
+  -- (its work plus the prefill queued ahead) is sooner by more than the margin
+  local service, queue, compute, spread = {}, {}, {}, {}
+  for column in string.gmatch(ARGV[17], '[^,]+') do
+    local s, q, c, e = string.match(column, '(%S+) (%S+) (%S+) (%S+)')
+    service[#service + 1], queue[#queue + 1] = tonumber(s), tonumber(q)
+    compute[#compute + 1], spread[#spread + 1] = tonumber(c), tonumber(e)
+  end
+  local margin, faster_by = tonumber(ARGV[20]), tonumber(ARGV[21])
+  local cap = decode[chosen]
+  local own = service[chosen]
+  -- clearly faster: at the slow end of its fit's error, under the formula's at the fast end
+  local faster = (1.0 - faster_by) * compute[chosen] * (1.0 - spread[chosen])
+  local best, best_s = chosen, service[chosen] + prefill[chosen] * queue[chosen]
+  local limit = (1.0 - margin) * best_s
+  for k = 1, #workers do
+    if compute[k] * (1.0 + spread[k]) < faster and service[k] <= own and decode[k] <= cap then
+      local ttft = service[k] + prefill[k] * queue[k]
+      if ttft < best_s then best, best_s = k, ttft end
+    end
+  end
+  if best_s < limit then chosen = best end
 end
 
 if book then

@@ -351,7 +351,7 @@ class RouterService:
             partial_workers=[PartialWorker(model=model, worker_id=w)
                              for model, workers in router.checks.partial_workers.items() for w in workers],
             engine_queues=self._engine_queues,
-            pricing="learned-rates" if router.settings.priced else "formula",
+            pricing="learned-rates" if router.settings.faster_pick else "formula",
             worker_rates=router.checks.worker_rates,
             page_size=router.settings.router_page_size,
             decision_log=DecisionLogHealth(enabled=decision_log is not None,

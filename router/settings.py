@@ -18,7 +18,8 @@ class RouterMode(Choice):
 
     KV = "kv"  # tier-aware scoring
     LOAD = "load"  # booked load only (every cache weight 0)
-    #: tier-aware scoring priced at each worker's learned rates (router/rates.py)
+    #: tier-aware scoring, overridden where a worker is clearly faster at its learned rates
+    #: (router/rates.py `faster_than_formula`)
     PREDICTED_TTFT = "predicted-ttft"
     ROUND_ROBIN = "round-robin"  # baselines for A/B tests; they still score and book
     RANDOM = "random"
@@ -54,12 +55,11 @@ class RouterSettings:
     #: baseline for A/B tests, "round-robin" (one turn counter shared by every replica) or
     #: "random". Baselines still score (the answer shows what the formula would say) and book.
     selection: str = "score"
-    #: Price the formula at each worker's learned rates (--router-mode predicted-ttft): a
-    #: worker's prefill work weighs its compute rate over the typical worker's, its host and
-    #: pool credits its loads' (router/rates.py).
-    priced: bool = False
+    #: Move a request off the formula's choice to a worker clearly faster at its learned rates
+    #: (--router-mode predicted-ttft; router/rates.py `faster_than_formula`, FasterPick).
+    faster_pick: bool = False
     #: Bookings keep the work their decision predicted, so that their first token's release
-    #: teaches the worker's rates (--learn-rates; what `priced` prices by).
+    #: teaches the worker's rates (--learn-rates; what `faster_pick` judges by).
     learn_rates: bool = True
     #: Book each request's pages as predicted device pages on its worker until it completes
     #: (--predicted-pages), credited at `predicted_page_weight`.

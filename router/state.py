@@ -16,7 +16,7 @@ import msgspec
 from kvtier.plumbing.lua_scripts import load_lua
 from kvtier.schemas.events import ENGINE_QUEUE_FIELDS, engine_queue_from_fields
 from kvtier.schemas.health import HashCheck, decode_hash_check
-from kvtier.schemas.rates import decode_fit
+from kvtier.schemas.rates import PredictionError, decode_error, decode_fit
 from kvtier.schemas.router_health import EngineQueueHealth, WorkerRatesHealth
 from kvtier.schemas.routing import TierOverlap
 from kvtier.schemas.state_keys import DEFAULT_ROOT, MODELS_KEY, ModelKeys, as_text
@@ -224,23 +224,34 @@ async def read_engine_queues(client, now_ms: float) -> list[EngineQueueHealth]:
 
 async def read_worker_rates(client) -> list[WorkerRatesHealth]:
     """Every worker's learned rates (`kvt:{model}:rates`), across all models; an unreadable
-    fit is left out (and priced as the typical worker's)."""
+    fit is left out (and untrusted: no override among candidates that include it)."""
     tokens = sorted(as_text(m) for m in await client.smembers(MODELS_KEY))
     pipe = client.pipeline(transaction=False)
     for token in tokens:
         pipe.hgetall(ModelKeys(token).rates)
+        pipe.hgetall(ModelKeys(token).ttft_errors)
+    answers = await pipe.execute()
     found = []
-    for token, held in zip(tokens, await pipe.execute()):
+    for token, held, held_errors in zip(tokens, answers[0::2], answers[1::2]):
+        errors = {as_text(w): raw for w, raw in held_errors.items()}
         for worker, text in sorted(held.items()):
             try:
                 fit = decode_fit(text)
             except ValueError:
                 log.warning("unreadable rates for %s/%s", token, as_text(worker))
                 continue
+            error = PredictionError()
+            if (raw := errors.get(as_text(worker))) is not None:
+                try:
+                    error = decode_error(raw)
+                except ValueError:
+                    log.warning("unreadable prediction error for %s/%s", token, as_text(worker))
             compute, host, l3 = fit.multipliers
             found.append(WorkerRatesHealth(model=token, worker_id=as_text(worker), compute=round(compute, 4),
                                            host_load=round(host, 4), l3_load=round(l3, 4), samples=fit.samples,
-                                           relative_error=round(fit.relative_error, 4)))
+                                           relative_error=round(fit.relative_error, 4),
+                                           ttft_mape=round(error.mape, 4), ttft_bias=round(error.bias, 4),
+                                           ttft_compared=error.samples))
     return found
 
 

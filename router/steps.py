@@ -23,7 +23,7 @@ from kvtier.schemas.routing import (
 )
 from kvtier.schemas.worker import MooncakeLayout
 
-from . import scoring
+from . import rates, scoring
 from .errors import Busy, NoWorkers
 from .hashing import RequestPages
 from .shared_pool import SharedPages
@@ -219,13 +219,11 @@ def lean_credits(ids: Iterable[str], overlaps: Mapping[str, TierOverlap], weight
 
 def choose_on_copy(ids: Sequence[str], pool: Sequence[int], n_pages: int, credits: Sequence[float],
                    prefill: Sequence[int], decode: Sequence[int], weights: ScoringWeights, u: float,
-                   kept: str | None, scales: Sequence[float] | None = None) -> tuple[int, int, list[float]]:
+                   kept: str | None) -> tuple[int, int, list[float]]:
     """(the index proposed, the index the formula chose, every candidate's logit): the
     formula's choice among `pool` (the indexes under the busy thresholds), or the session's
-    worker `kept` when it is in the pool (None: no worker to keep). `scales`: each
-    candidate's prefill_load_scale (the formula priced at its rates; None: the weights')."""
-    values = (scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale) if scales is None
-              else scoring.logits_scaled(n_pages, credits, prefill, decode, scales))
+    worker `kept` when it is in the pool (None: no worker to keep)."""
+    values = scoring.logits_of(n_pages, credits, prefill, decode, weights.prefill_load_scale)
     formula = pool[scoring.choose([values[i] for i in pool], weights.temperature, u)]
     chosen = ids.index(kept) if kept is not None and in_pool(kept, ids, pool) else formula
     return chosen, formula, values
@@ -266,10 +264,23 @@ def fallback_response(request_id: str, n_tokens: int, worker_id: str, workers: S
 def decision_record(*, request_id: str, model: str, router_id: str, ts: float, weights: ScoringWeights, u: float,
                     pages_by_size: Mapping[int, RequestPages], n_pages: int, chosen: str,
                     candidates: list[CandidateScore], degraded: list[str], latency_s: float,
-                    shared_queried: bool) -> RouteDecision:
+                    shared_queried: bool, predicted_ttft_ms: float | None = None) -> RouteDecision:
     """The decision as the decision log publishes it."""
     return RouteDecision(
         request_id=request_id, model=model, router_id=router_id, ts=ts, weights=weights, random_draw=u,
         page_hashes={size: list(p.hashes) for size, p in pages_by_size.items()}, request_pages=n_pages,
         chosen=chosen, candidates=candidates, degraded=degraded, latency_ms=latency_s * 1000,
-        shared_pool_queried=shared_queried)
+        shared_pool_queried=shared_queried, predicted_ttft_ms=predicted_ttft_ms)
+
+
+def formula_then_faster(n_pages: int, inputs: list[scoring.CandidateInputs], weights: ScoringWeights, u: float,
+                        columns: rates.TtftColumns | None) -> scoring.Scored:
+    """What select_and_book.lua chooses among `inputs` at the loads they carry: the formula's
+    choice, then with `columns` (--router-mode predicted-ttft) a clearly faster worker instead
+    (rates.faster_than_formula)."""
+    scored = scoring.score(n_pages, inputs, weights, u)
+    if columns is None:
+        return scored
+    chosen = rates.faster_than_formula(scored.chosen, range(len(inputs)), columns, [c.prefill_load for c in inputs],
+                                       [c.decode_load for c in inputs])
+    return scoring.Scored(chosen, scored.logits)

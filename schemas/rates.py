@@ -66,3 +66,35 @@ def decode_fit(raw: bytes | str) -> RateFit:
         raise ValueError("a worker's rates hold a number that is not finite, or a count that is not whole")
     return RateFit(multipliers=(v[0], v[1], v[2]), covariance=tuple(v[3:12]), relative_error=v[12],
                    samples=int(v[13]), streak=int(v[14]))
+
+
+class PredictionError(msgspec.Struct, frozen=True, kw_only=True):
+    """How far a worker's first-token predictions are off (`kvt:{model}:ttft_errors`, one field
+    per worker): each first token that teaches the fit is compared with what the fit predicted
+    for its work just before it, as a fraction of the true time. Running means over about the
+    last 20 first tokens (router/rates.py `track_error`), so a worker that changes shows."""
+
+    samples: int = 0
+    #: Mean absolute percentage error, as a fraction (0.25: predictions 25% off the true time).
+    mape: float = 0.0
+    #: Mean signed error, as a fraction: > 0, first tokens come sooner than predicted.
+    bias: float = 0.0
+
+
+#: A PredictionError as Redis holds it: samples, mape, bias as 3 little-endian doubles.
+ERROR_LAYOUT = struct.Struct("<3d")
+
+
+def encode_error(error: PredictionError) -> bytes:
+    return ERROR_LAYOUT.pack(error.samples, error.mape, error.bias)
+
+
+def decode_error(raw: bytes | str) -> PredictionError:
+    """ValueError when `raw` is not a PredictionError's encoding."""
+    data = raw.encode("latin-1") if isinstance(raw, str) else raw
+    if len(data) != ERROR_LAYOUT.size:
+        raise ValueError(f"a worker's prediction error is {ERROR_LAYOUT.size} bytes, got {len(data)}")
+    samples, mape, bias = ERROR_LAYOUT.unpack(data)
+    if not all(math.isfinite(x) for x in (samples, mape, bias)) or samples < 0 or samples != int(samples):
+        raise ValueError("a worker's prediction error holds a number that is not finite, or a count that is not whole")
+    return PredictionError(samples=int(samples), mape=mape, bias=bias)

@@ -171,6 +171,13 @@ class WorkerRatesHealth(msgspec.Struct, frozen=True, kw_only=True):
     samples: int
     #: The fit's running mean error relative to its predictions (0.1: first tokens 10% off).
     relative_error: float
+    #: How far its first tokens came from what the rates predicted just before each, over
+    #: about the last 20 (schemas/rates.py PredictionError): the mean absolute percentage
+    #: error and the mean signed error (> 0: predicted too long), as fractions of the true time;
+    #: and how many first tokens were compared (0: none yet, both 0).
+    ttft_mape: float = 0.0
+    ttft_bias: float = 0.0
+    ttft_compared: int = 0
 
 
 class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,7 +194,8 @@ class RouterHealth(msgspec.Struct, frozen=True, kw_only=True):
     partial_workers: list[PartialWorker] = []
     #: Workers whose bridge reads their engine's queue (SGLang's /metrics); [] where none does.
     engine_queues: list[EngineQueueHealth] = []
-    #: How decisions are priced: "formula", or "learned-rates" (--router-mode predicted-ttft).
+    #: What decides: "formula", or "learned-rates" (--router-mode predicted-ttft: the formula,
+    #: overridden for a clearly faster worker).
     pricing: str = ""
     #: Each worker's learned rates (every scoring router learns them; predicted-ttft prices by them).
     worker_rates: list[WorkerRatesHealth] = []

@@ -148,6 +148,11 @@ class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
     #: The booking's owner secret (POST /v1/route with `book`): /v1/release of this booking
     #: needs it. "" on dry runs, and on the proxy's own bookings, which no client releases.
     owner: str = ""
+    #: With --router-mode predicted-ttft: the chosen worker's first token as its learned rates
+    #: predict it (its work and the prefill booked ahead), in ms; None before its fit is
+    #: trusted (router/rates.py FasterPick), or in another mode. Its release's `ttft_error`
+    #: says how far off the rates were.
+    predicted_ttft_ms: float | None = None
 
 
 #: Upper bounds of the busy thresholds (`AdmissionSettings`, `AdmissionChange` and the settings
@@ -237,6 +242,11 @@ class ReleaseResponse(msgspec.Struct, frozen=True, kw_only=True):
     #: was nothing to teach): "budget" (this client's samples of the worker this minute are
     #: spent), "late" (longer than the booking had lived). router/rates.py ClientSamples.
     sample_refused: str = ""
+    #: For a first token that taught the worker's rates: what they predicted for it (ms), just
+    #: before it taught them, and how far off, as a fraction of its true time (> 0: predicted
+    #: too long). None otherwise.
+    predicted_ttft_ms: float | None = None
+    ttft_error: float | None = None
 
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -259,6 +269,8 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     degraded: list[str] = []
     latency_ms: float = 0.0
     shared_pool_queried: bool = False
+    #: RouteResponse.predicted_ttft_ms of the decision.
+    predicted_ttft_ms: float | None = None
 
 
 class GenerateSamplingParams(msgspec.Struct, frozen=True, kw_only=True):

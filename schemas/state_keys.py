@@ -148,6 +148,12 @@ class ModelKeys:
         return f"{self.base}:rates"
 
     @property
+    def ttft_errors(self) -> str:
+        """How far each worker's first-token predictions are off (schemas/rates.py
+        PredictionError), written by router/learn_rates.lua beside its fit."""
+        return f"{self.base}:ttft_errors"
+
+    @property
     def hash_check(self) -> str:
         return f"{self.base}:hash_check"
 

@@ -26,10 +26,19 @@ from typing import Protocol
 
 from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
-from kvtier.router.rates import FitSettings, Work, observe, predicted_work, priced_logits, relative_pricing
+from kvtier.router.rates import (
+    FASTER_PICK,
+    FasterPick,
+    FitSettings,
+    Work,
+    faster_than_formula,
+    observe_and_track,
+    predicted_work,
+    ttft_columns,
+)
 from kvtier.router.walk import walk as tier_walk
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
-from kvtier.schemas.rates import RateFit, RatePrior
+from kvtier.schemas.rates import PredictionError, RateFit, RatePrior
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 from kvtier.schemas.sglang import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.schemas.tiers import tier_of_medium
@@ -39,8 +48,8 @@ from kvtier.sim.sim_cluster import RankTruth, SimCluster
 #: The policies a replay can run (`--policies`), and among them kvtier's own (the router's).
 POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", "tier_aware_shared", "oracle",
             "ttft_oracle")
-#: Policies a replay runs when asked by name (`--policies`): kvtier's formula priced at learned
-#: worker rates (`--router-mode predicted-ttft`; through the pipeline or in process).
+#: Policies a replay runs when asked by name (`--policies`): kvtier's formula overridden for
+#: workers faster at learned rates (`--router-mode predicted-ttft`; through the pipeline or in process).
 NAMED_POLICIES = ("predicted_ttft",)
 #: The policies that decide on the simulator's ground truth (no router could run them).
 ORACLES = ("oracle", "ttft_oracle")
@@ -315,35 +324,64 @@ class RouterModel:
 
 
 class PredictedTtftModel(RouterModel):
-    """`--router-mode predicted-ttft` in process: the router model whose formula is priced at
-    each worker's rates (router/rates.py), learned from the first-token times it is told
+    """`--router-mode predicted-ttft` in process: the router model whose formula's choice is
+    overridden where the rates it learns say another worker is clearly faster
+    (router/rates.py `faster_than_formula`), learned from the first-token times it is told
     (the lockstep's simulated TTFT, as a client's release would report it)."""
 
-    def __init__(self, *args, prior: RatePrior | None = None, fit: FitSettings | None = None, **kwargs):
+    def __init__(self, *args, prior: RatePrior | None = None, fit: FitSettings | None = None,
+                 pick: FasterPick = FASTER_PICK, **kwargs):
         super().__init__(*args, **kwargs)
         self.prior = prior or RatePrior()
         self.fit_settings = fit or FitSettings()
+        self.pick = pick
         self.fits: list[RateFit] = [self.fit_settings.first_fit() for _ in range(self.workers)]
+        self.errors: list[PredictionError] = [PredictionError() for _ in range(self.workers)]
+        #: Per rank, over the whole replay: the first tokens compared and their absolute and
+        #: signed errors' sums (a replay's own figure beside the routers' running ones).
+        self._compared: list[list[float]] = [[0, 0.0, 0.0] for _ in range(self.workers)]
+        self._request: PreparedRequest | None = None
+
+    async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
+        self._request = request  # what _score prices (the router's decision sees the request too)
+        return await super().decide(request, now, cluster, truth, tokens)
 
     def _score(self, request_pages, candidates, u):
-        pricing = relative_pricing([self.fits[r] if self.fits[r].samples else None for r in self.order])
-        values = priced_logits(request_pages, candidates, self.weights, pricing)
-        return scoring.Scored(scoring.choose(values, self.weights.temperature, u), values)
+        scored = scoring.score(request_pages, candidates, self.weights, u)
+        request = self._request
+        assert request is not None
+        columns = ttft_columns(request.input_tokens, [c.overlap for c in candidates],
+                               [self.page_size] * len(candidates), [self.fits[r] for r in self.order], self.prior,
+                               self.pick)
+        chosen = faster_than_formula(scored.chosen, range(len(candidates)), columns,
+                                     [c.prefill_load for c in candidates], [c.decode_load for c in candidates],
+                                     self.pick)
+        return scoring.Scored(chosen, scored.logits)
 
     def _decided(self, request, rank, seen) -> Work:
         return predicted_work(request.input_tokens, seen.overlap, seen.prefill_load, self.page_size)
 
     def _first_token(self, rank: int, work: Work, ttft_ms: float) -> None:
-        # seconds as release.lua reads them (ms / 1000), so the pipeline's fit is this one exactly
-        self.fits[rank] = observe(self.fits[rank], self.prior, work, ttft_ms / 1000, self.fit_settings)
+        # seconds as release.lua reads them (ms / 1000), so the pipeline's fit and errors are these exactly
+        self.fits[rank], self.errors[rank], off = observe_and_track(self.fits[rank], self.errors[rank], self.prior,
+                                                                    work, ttft_ms / 1000, self.fit_settings)
+        if off is not None:
+            compared = self._compared[rank]
+            compared[0] += 1
+            compared[1] += abs(off)
+            compared[2] += off
 
     def learned(self, cluster: SimCluster, now: float) -> dict:
         """Per rank: samples, the learned compute multiplier and the true one at `now` (the
-        inverse of its speed), and the learned load multipliers."""
+        inverse of its speed), the learned load multipliers, and how far the first tokens came
+        from their predictions (PredictionError, as the routers' /healthz shows it)."""
         return {str(rank): {"samples": fit.samples, "compute": round(fit.multipliers[0], 3),
                             "true_compute": round(1 / cluster.speed(rank, now), 3),
-                            "host_load": round(fit.multipliers[1], 3), "l3_load": round(fit.multipliers[2], 3)}
-                for rank, fit in enumerate(self.fits)}
+                            "host_load": round(fit.multipliers[1], 3), "l3_load": round(fit.multipliers[2], 3),
+                            "ttft_mape": round(error.mape, 3), "ttft_bias": round(error.bias, 3),
+                            "ttft_mape_run": round(c[1] / c[0], 3) if c[0] else None,
+                            "ttft_bias_run": round(c[2] / c[0], 3) if c[0] else None}
+                for rank, (fit, error, c) in enumerate(zip(self.fits, self.errors, self._compared))}
 
 
 def worker_id(rank: int) -> str:

@@ -113,13 +113,14 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
     if name == "ttft_oracle":
         return TtftOraclePolicy()
     if name == "predicted_ttft" and settings.via == "model":
-        return PredictedTtftModel(name, shape.workers, shape.page_size, settings.weights, shape.l3,
+        # the pool credited as tier_aware credits it (not at all): the two differ only in the override
+        weights, shared = policy_weights(name, settings.weights)
+        return PredictedTtftModel(name, shape.workers, shape.page_size, weights, shared,
                                   settings.visibility_lag_s, seed, predicted=settings.predicted_pages)
     if settings.via == "pipeline":
         from kvtier.eval.pipeline import PipelinePolicy
 
         weights, shared = policy_weights(name, settings.weights)
-        shared = shared or (name == "predicted_ttft" and shape.l3)  # as PredictedTtftModel credits the pool
         router_args = (["--router-mode", "load"] if name == "least_load" else
                        ["--router-mode", "predicted-ttft"] if name == "predicted_ttft" else [])
         router_args += weight_flags(settings.weights)

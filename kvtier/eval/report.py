@@ -111,6 +111,9 @@ def format_shares(report: dict) -> str:
             lines.append(f"  {name} learned compute multipliers (true, samples): " + ", ".join(
                 f"{rank} {v['compute']:.2f} ({v['true_compute']:.2f}, {v['samples']:.0f})"
                 for rank, v in r["learned"].items()))
+            lines.append(f"  {name} first tokens off their predicted time over the replay (MAPE, bias): " + ", ".join(
+                f"{rank} {v['ttft_mape_run']:.0%} {v['ttft_bias_run']:+.0%}" for rank, v in r["learned"].items()
+                if v.get("ttft_mape_run") is not None))
     return "\n".join(lines)
 
 

@@ -93,8 +93,8 @@ class ReplayBench:
     policies: str = setting(
         "", flag="--policies",
         help="Comma-separated subset of: random, round_robin, least_load, device_only, tier_aware, "
-             "tier_aware_shared, oracle, ttft_oracle; and predicted_ttft (the router model priced at learned worker "
-             "rates, in process), which runs only when named.")
+             "tier_aware_shared, oracle, ttft_oracle; and predicted_ttft (the router model that moves requests "
+             "to workers faster at learned rates, in process), which runs only when named.")
     via: str = text_choice(
         "pipeline", choices=("pipeline", "model"), flag="--via",
         help="kvtier's policies through the real pipeline (bridge, JetStream, processor, Redis, two routers) or "
@@ -131,7 +131,7 @@ class TuneSettings:
     policy: str = text_choice(
         "tier_aware", choices=("tier_aware", "predicted_ttft"), flag="--policy",
         help="The router model whose weights are searched: tier_aware (the formula; tier_aware_shared with L3) or "
-             "predicted_ttft (the formula priced at the worker rates it learns from first tokens).")
+             "predicted_ttft (the formula, overridden for workers faster at the rates it learns from first tokens).")
     budget: int = setting(24, flag="--budget", parse=positive_int, help="Settings to try (the defaults included).")
     holdout: float = setting(0.3, flag="--holdout", parse=float,
                              help="Share of the trace (its end) kept out of the search, to check the best settings "

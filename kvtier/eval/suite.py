@@ -51,15 +51,26 @@ def suite_row(name: str, label: str, shape: ClusterShape, seeds: list[int], requ
     ratios = {p: {f: round(s[f] / base[f], 3) if base and base[f] else None for f in FIGURES}
               for p, s in policies.items() if p != BASELINE}
     return {"workload": name, "cluster": label, "seeds": seeds, "requests": requests,
-            "offered_load": round(sorted(loads)[len(loads) // 2], 3),
+            "offered_load": round(sorted(loads)[len(loads) // 2], 3), "prediction": prediction_error(policies),
             BASELINE: {f: base[f] for f in FIGURES} if base else None, "ratios": ratios,
             "policies": policies}
+
+
+def prediction_error(policies: dict) -> dict | None:
+    """How far predicted_ttft's first tokens came from their predictions over the replay, the
+    mean over workers of each one's MAPE and bias (medians of the seeds); None when it did not run."""
+    learned = (policies.get("predicted_ttft") or {}).get("learned")
+    runs = [v for v in (learned or {}).values() if v.get("ttft_mape_run") is not None]
+    if not runs:
+        return None
+    return {"mape": round(sum(v["ttft_mape_run"] for v in runs) / len(runs), 3),
+            "bias": round(sum(v["ttft_bias_run"] for v in runs) / len(runs), 3)}
 
 
 def format_suite(rows: list[dict]) -> str:
     others = [p for p in SUITE_POLICIES if p != BASELINE and any(p in r["ratios"] for r in rows)]
     head = f"{'workload':15} {'cluster':13} {'load':>5}  {'tier_aware p50/p99/tpot99 ms':>28}"
-    head += "".join(f"  {p + ' (x)':>20}" for p in others)
+    head += "".join(f"  {p + ' (x)':>20}" for p in others) + "  predicted MAPE/bias"
     lines = [head, "-" * len(head)]
     for r in rows:
         b = r[BASELINE] or {}
@@ -68,9 +79,12 @@ def format_suite(rows: list[dict]) -> str:
         for p in others:
             x = r["ratios"].get(p)
             line += f"  {x['ttft_p50_ms']:6.2f}/{x['ttft_p99_ms']:5.2f}/{x['tpot_p99_ms']:5.2f}" if x else " " * 22
+        if (error := r.get("prediction")) is not None:
+            line += f"  {error['mape']:7.0%} /{error['bias']:+5.0%}"
         lines.append(line)
     lines.append("ratios: TTFT p50 / TTFT p99 / TPOT p99 of each policy over tier_aware's, medians of the seeds; "
-                 "load: new prompt tokens offered per second over the cluster's prefill capacity")
+                 "load: new prompt tokens offered per second over the cluster's prefill capacity; predicted "
+                 "MAPE/bias: how far predicted_ttft's first tokens came from what its rates predicted (> 0: too long)")
     return "\n".join(lines)
 
 

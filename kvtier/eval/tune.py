@@ -3,7 +3,7 @@ TTFT p50, TTFT p99 and recomputed tokens, beside the defaults' figures and the o
 
 Every trial is a lockstep replay of kvtier's own router (`RouterModel`, the decision the
 pipeline makes, computed in process; tests/eval/test_lockstep.py holds the two equal; with
-`--policy predicted_ttft`, that model priced at the worker rates it learns), so trials
+`--policy predicted_ttft`, that model overridden for workers faster at the rates it learns), so trials
 are comparable and the same command prints the same answer. The search: the defaults, then
 seeded random points over the space, then a coordinate refinement around each objective's
 best. With `--holdout F` the search sees only the first (1 - F) of the trace and every
@@ -79,8 +79,8 @@ def _neighbours(weights: ScoringWeights, shared: bool) -> list[dict]:
     return out
 
 
-#: The router models `kvtier tune --policy` tunes: the formula, or the formula priced at the
-#: worker rates it learns (PredictedTtftModel), whose weights are the formula's.
+#: The router models `kvtier tune --policy` tunes: the formula, or the formula overridden for
+#: workers faster at the rates it learns (PredictedTtftModel), whose weights are the formula's.
 TUNED = ("tier_aware", "predicted_ttft")
 
 

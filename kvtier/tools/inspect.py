@@ -10,7 +10,7 @@ import redis
 
 from kvtier.plumbing.connections import redis_client
 from kvtier.schemas.events import ENGINE_QUEUE_FIELDS, engine_queue_from_fields
-from kvtier.schemas.rates import RateFit, decode_fit
+from kvtier.schemas.rates import PredictionError, RateFit, decode_error, decode_fit
 from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys, as_text
 from kvtier.schemas.tiers import TIER_PRIORITY
 from kvtier.tools.settings import InspectSettings
@@ -29,7 +29,8 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
             pipe.hgetall(keys.state(worker_id))
             pipe.zscore(keys.leases, worker_id)
             pipe.hget(keys.rates, worker_id)
-            state, lease, rates = pipe.execute()
+            pipe.hget(keys.ttft_errors, worker_id)
+            state, lease, rates, errors = pipe.execute()
             state = {as_text(k): as_text(v) for k, v in state.items()}
             applied_ms = float(state.get("applied_ms", 0) or 0)
             rows.append({
@@ -47,21 +48,27 @@ def collect(client: redis.Redis, model: str | None = None, worker: str | None = 
                                  "read_ago_s": round(now_ms / 1000 - queue.read_ts, 1)}
                 if (queue := engine_queue_from_fields([state.get(f) for f in ENGINE_QUEUE_FIELDS])) else None,
                 # what the routers learned of its speed from its first tokens (null: nothing yet)
-                "rates": _rates_row(rates),
+                "rates": _rates_row(rates, errors),
             })
     return rows
 
 
-def _rates_row(text) -> dict | None:
+def _rates_row(text, errors) -> dict | None:
     if text is None:
         return None
     try:
         fit: RateFit = decode_fit(text)
     except ValueError:
         return None
+    try:
+        error = decode_error(errors) if errors is not None else PredictionError()
+    except ValueError:
+        error = PredictionError()
     compute, host, l3 = fit.multipliers
+    # ttft_*: how far its first tokens came from what the rates predicted (PredictionError)
     return {"compute": round(compute, 3), "host_load": round(host, 3), "l3_load": round(l3, 3),
-            "samples": fit.samples, "relative_error": round(fit.relative_error, 3)}
+            "samples": fit.samples, "relative_error": round(fit.relative_error, 3),
+            "ttft_mape": round(error.mape, 3), "ttft_bias": round(error.bias, 3), "ttft_compared": error.samples}
 
 
 def run_inspect(settings: InspectSettings) -> int:
@@ -87,6 +94,8 @@ def run_inspect(settings: InspectSettings) -> int:
             status += f", engine {queue['waiting']} waiting / {queue['running']} running"
         if (rates := r["rates"]) is not None:
             status += f", rates x{rates['compute']:g} compute ({rates['samples']} first tokens)"
+            if rates["ttft_compared"]:
+                status += f", TTFT predicted {rates['ttft_mape']:.0%} off (bias {rates['ttft_bias']:+.0%})"
         p = r["pages"]
         print(f"{r['model'][:20]:<20} {r['worker'][:16]:<16} {lease:>6} {p['device']:>8} {p['host']:>8} "
               f"{p['disk']:>7} {p['external']:>5} {r['epoch']:>14} {r['seq']:>7} {ago:>8}  {status}")

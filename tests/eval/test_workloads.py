@@ -86,7 +86,7 @@ def test_an_unknown_workload_is_named_with_the_choices():
 def test_the_suite_prints_one_table_of_ratios_to_tier_aware(capsys):
     args = build_parser().parse_args(["bench", "replay", "--suite", "--workloads", "shared_prompts", "--requests",
                                       "120", "--seeds", "1", "--workers", "4", "--policies",
-                                      "tier_aware,round_robin,oracle", "--json"])
+                                      "tier_aware,round_robin,oracle,predicted_ttft", "--json"])
     assert run_suite_bench(read_settings(ReplayBench, args)) == 0
     out = capsys.readouterr().out.splitlines()
     rows = json.loads(out[-1])["suite"]
@@ -98,5 +98,7 @@ def test_the_suite_prints_one_table_of_ratios_to_tier_aware(capsys):
             summary = row["policies"][policy]
             assert row["ratios"][policy]["ttft_p50_ms"] == round(summary["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
     assert rows[1]["policies"]["tier_aware"]["requests"] == 120
+    # how far predicted_ttft's first tokens came from its predictions, beside its ratios
+    assert all(0 < row["prediction"]["mape"] < 5 for row in rows), [row["prediction"] for row in rows]
     table = "\n".join(out[:-1])
-    assert "shared_prompts  equal" in table and "round_robin (x)" in table
+    assert "shared_prompts  equal" in table and "round_robin (x)" in table and "predicted MAPE/bias" in table

@@ -1,28 +1,29 @@
 """The learned worker rates (router/rates.py), as pure functions: the fit finds a worker's true
-multipliers, follows a slowdown, shrugs off outliers and stays bounded; the priced formula is
-the plain formula on equal workers and weighs a slow worker's work more."""
+multipliers, follows a slowdown, shrugs off outliers and stays bounded; the override of the
+formula's choice takes only a clearly faster worker that does no more work, and never while a
+fit is unsure."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.router import scoring
 from kvtier.router.rates import (
     CLIENT_SAMPLES,
+    FASTER_PICK,
     FitSettings,
-    Pricing,
     Work,
+    faster_than_formula,
     fit_arguments,
     observe,
     predict_s,
-    priced_logits,
-    relative_pricing,
+    ttft_columns,
 )
 from kvtier.schemas.rates import RateFit, RatePrior
-from kvtier.schemas.routing import ScoringWeights, TierOverlap
+from kvtier.schemas.routing import TierOverlap
 
 PRIOR = RatePrior()
 SETTINGS = FitSettings()
@@ -112,32 +113,108 @@ candidate_lists = st.lists(st.tuples(overlaps, st.integers(0, 500), st.integers(
 multipliers = st.tuples(st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0.05, 50))
 
 
-#: Weights as `kvtier tune` searches them: host and pool credit may exceed one page.
-tuned_weights = st.builds(ScoringWeights, host_cache_hit_weight=st.floats(0, 1.5),
-                          shared_cache_multiplier=st.floats(0, 1.5), prefill_load_scale=st.floats(0.25, 64))
+PAGE = 16
+#: Fits the override trusts (FasterPick.min_samples first tokens, no change under way).
+trusted_fits = st.builds(lambda m, e: RateFit(multipliers=m, samples=FASTER_PICK.min_samples, relative_error=e),
+                         multipliers, st.floats(0, 0.6))
 
 
-@given(candidates=candidate_lists, pages=st.integers(1, 128), shared=multipliers, weights=tuned_weights)
-def test_on_equal_workers_the_priced_formula_is_the_formula(candidates, pages, shared, weights):
-    inputs = [scoring.CandidateInputs(f"w{i}", o, p, d) for i, (o, p, d) in enumerate(candidates)]
-    fits = [RateFit(multipliers=shared) for _ in inputs]  # all alike, whatever the prior got wrong
-    pricing = relative_pricing(fits)
-    assert priced_logits(pages, inputs, weights, pricing) == scoring.logits(pages, inputs, weights)
-    assert relative_pricing([None] * len(inputs)) == [Pricing()] * len(inputs)
+def columns_of(candidates, fits, n_tokens: int):
+    return ttft_columns(n_tokens, [o for o, _, _ in candidates], [PAGE] * len(candidates), fits, PRIOR)
 
 
-def test_a_slow_worker_weighs_its_work_and_its_slow_loads_more():
-    same = scoring.CandidateInputs("w", TierOverlap(device=10, host=40), prefill_load=20, decode_load=30)
-    fast, slow, slow_links = RateFit(), RateFit(multipliers=(2.0, 2.0, 2.0)), RateFit(multipliers=(1.0, 4.0, 1.0))
-    pricing = relative_pricing([fast, fast, slow, slow_links])
-    assert pricing[2].compute == 2.0 and pricing[2].host_load == 1.0  # slow at everything alike
-    assert pricing[3].compute == 1.0 and pricing[3].host_load == 4.0  # computes well, loads slowly
-    values = priced_logits(64, [same] * 4, ScoringWeights(), pricing)
-    assert values[0] == values[1] == scoring.logits(64, [same], ScoringWeights())[0]
-    assert values[2] > values[0] and values[3] > values[0]
-    # the host credit of a worker whose loads are 4x slower: 1 - 0.25 * 4 = 0, none at all
-    no_host = scoring.CandidateInputs("w", TierOverlap(device=10), prefill_load=20, decode_load=30)
-    assert values[3] == scoring.logits(64, [no_host], ScoringWeights())[0]
+@given(candidates=candidate_lists, data=st.data())
+def test_the_override_only_takes_a_clearly_faster_worker_that_does_no_more_work(candidates, data):
+    """Whatever the fits and loads: the override is the formula's choice, or a candidate
+    faster at compute by more than faster_by beyond both fits' mean errors, predicted sooner
+    by more than the margin, whose own work and decode load are no more than the formula's
+    worker's: the soonest such one."""
+    fits = data.draw(st.lists(trusted_fits, min_size=len(candidates), max_size=len(candidates)))
+    formula = data.draw(st.integers(0, len(candidates) - 1))
+    columns = columns_of(candidates, fits, data.draw(st.integers(1, 128 * PAGE)))
+    prefill, decode = [p for _, p, _ in candidates], [d for _, _, d in candidates]
+    pool = range(len(candidates))
+    chosen = faster_than_formula(formula, pool, columns, prefill, decode)
+
+    def ttft(i):
+        return columns.service_s[i] + prefill[i] * columns.queue_s_per_page[i]
+
+    # faster beyond both fits' errors
+    faster = (1 - FASTER_PICK.faster_by) * fits[formula].multipliers[0] * (1 - fits[formula].relative_error)
+    eligible = [i for i in pool if fits[i].multipliers[0] * (1 + fits[i].relative_error) < faster
+                and columns.service_s[i] <= columns.service_s[formula] and decode[i] <= decode[formula]] or [formula]
+    soonest = min(eligible, key=ttft)
+    if ttft(soonest) < (1 - FASTER_PICK.margin) * ttft(formula):
+        assert chosen == soonest
+    else:
+        assert chosen == formula
+
+
+@given(candidates=candidate_lists, data=st.data())
+def test_while_any_fit_is_unsure_the_formulas_choice_stands(candidates, data):
+    """A candidate with too few first tokens behind its fit, one whose fit is in a change (its
+    streak), or one with none: no override, however fast the others look."""
+    n = len(candidates)
+    fits = data.draw(st.lists(trusted_fits, min_size=n, max_size=n))
+    unsure = data.draw(st.integers(0, n - 1))
+    fits[unsure] = data.draw(st.sampled_from([
+        None, RateFit(multipliers=fits[unsure].multipliers, samples=FASTER_PICK.min_samples - 1),
+        RateFit(multipliers=fits[unsure].multipliers, samples=500, streak=data.draw(st.sampled_from([-2, -1, 1, 2])))]))
+    formula = data.draw(st.integers(0, n - 1))
+    columns = columns_of(candidates, fits, 64 * PAGE)
+    assert not columns.trusted[unsure] and columns.text() == ""
+    assert faster_than_formula(formula, range(n), columns, [p for _, p, _ in candidates],
+                               [d for _, _, d in candidates]) == formula
+
+
+@given(candidates=candidate_lists, data=st.data())
+def test_between_workers_within_faster_by_of_each_other_the_formulas_choice_stands(candidates, data):
+    """Compute rates learned within faster_by of each other (equal workers, a fit's noise):
+    whatever the loads, overlaps, other rates and fits' errors, nobody is faster, so every
+    decision is the formula's."""
+    low = data.draw(st.floats(0.05, 20))
+    within = st.floats(low, low / (1 - FASTER_PICK.faster_by), exclude_max=True)
+    fits = [RateFit(multipliers=(data.draw(within), data.draw(st.floats(0.05, 50)), data.draw(st.floats(0.05, 50))),
+                    samples=100, relative_error=data.draw(st.floats(0, 0.6))) for _ in candidates]
+    columns = columns_of(candidates, fits, data.draw(st.integers(1, 2048)))
+    formula = data.draw(st.integers(0, len(candidates) - 1))
+    assert faster_than_formula(formula, range(len(candidates)), columns, [p for _, p, _ in candidates],
+                               [d for _, _, d in candidates]) == formula
+
+
+def test_a_clearly_faster_worker_replaces_the_formulas_and_a_slightly_faster_one_does_not():
+    """Workers holding nothing of the request: the formula takes the one with a long prefill
+    queue (its scale weighs it little beside the others' decode loads), twice as slow; the
+    override moves the request to the fast one, whose first token is predicted sooner and whose
+    decode load is no more. Not to a fast worker busier at decode, nor one 10% faster, nor one
+    whose fit is as unsure as it is apart."""
+    candidates = [(TierOverlap(), 40, 120), (TierOverlap(), 0, 100), (TierOverlap(), 60, 200)]
+    slow, fast = RateFit(multipliers=(2.0, 2.0, 2.0), samples=50), RateFit(multipliers=(1.0, 1.0, 1.0), samples=50)
+    columns = columns_of(candidates, [slow, fast, slow], 1024)
+    prefill, decode = [40, 0, 60], [120, 100, 200]
+    assert faster_than_formula(0, [0, 1, 2], columns, prefill, decode) == 1
+    # the fast worker holds more decode than the formula's: it stays on the formula's
+    assert faster_than_formula(0, [0, 1, 2], columns, prefill, [90, 100, 200]) == 0
+    # outside the pool (over the busy thresholds): not a candidate
+    assert faster_than_formula(0, [0, 2], columns, prefill, decode) == 0
+    near = RateFit(multipliers=(0.9, 0.9, 0.9), samples=50)
+    columns = columns_of(candidates, [RateFit(samples=50), near, slow], 1024)
+    assert faster_than_formula(0, [0, 1, 2], columns, [40, 0, 60], decode) == 0
+    # twice as fast, but each fit 30% off its first tokens: not clearly faster
+    unsure_slow = RateFit(multipliers=(2.0, 2.0, 2.0), samples=50, relative_error=0.3)
+    unsure_fast = RateFit(multipliers=(1.0, 1.0, 1.0), samples=50, relative_error=0.3)
+    columns = columns_of(candidates, [unsure_slow, unsure_fast, slow], 1024)
+    assert faster_than_formula(0, [0, 1, 2], columns, prefill, decode) == 0
+
+
+def test_a_worker_that_would_recompute_what_the_formulas_worker_holds_is_not_taken():
+    """The formula's worker holds the request's prefix on its device; an idle worker that is
+    twice as fast but holds nothing would recompute it: not a faster pick."""
+    candidates = [(TierOverlap(device=60), 4, 10), (TierOverlap(), 0, 10)]
+    columns = columns_of(candidates, [RateFit(multipliers=(2.0, 2.0, 2.0), samples=50),
+                                      RateFit(multipliers=(1.0, 1.0, 1.0), samples=50)], 64 * PAGE)
+    assert columns.service_s[1] > columns.service_s[0]
+    assert faster_than_formula(0, [0, 1], columns, [4, 0], [10, 10]) == 0
 
 
 # --- learn_rates.lua against observe() ---------------------------------------------------------
@@ -145,6 +222,16 @@ def test_a_slow_worker_weighs_its_work_and_its_slow_loads_more():
 LEARN_ONE = """
 return learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}, tonumber(ARGV[5]),
                   {unpack(ARGV, 6, 18)}, tonumber(ARGV[19]))
+"""
+
+#: learn_rate, then track_error as release.lua runs them (KEYS[2]: the errors hash; ARGV[20]:
+#: the error's memory): the fit and the prediction error, as Redis holds them.
+LEARN_AND_TRACK = """
+local fit, predicted, floored = learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]),
+                                           tonumber(ARGV[4])}, tonumber(ARGV[5]), {unpack(ARGV, 6, 18)},
+                                           tonumber(ARGV[19]))
+if predicted then track_error(KEYS[2], ARGV[1], predicted, floored, tonumber(ARGV[20])) end
+return {fit, redis.call('HGET', KEYS[2], ARGV[1]) or ''}
 """
 
 
@@ -155,19 +242,22 @@ def lua_arguments(worker: str, work: Work, ttft_s: float, max_step: float = 0.0)
 
 def test_the_fit_in_redis_is_the_pure_fit(redis_server):
     """A random history per worker (slowdowns, stalls, empty samples, samples bounded as a
-    client's are) through the Redis twin and through observe(): the same fit after every
-    sample, to the last bit."""
+    client's are) through the Redis twin and through observe_and_track(): the same fit and the
+    same prediction error after every sample, to the last bit."""
     import redis as sync_redis
 
     from kvtier.plumbing.lua_scripts import load_lua
-    from kvtier.schemas.rates import decode_fit, encode_fit
+    from kvtier.router.rates import ERROR_MEMORY, observe_and_track
+    from kvtier.schemas.rates import PredictionError, decode_error, decode_fit, encode_error, encode_fit
     from kvtier.schemas.state_keys import ModelKeys
 
     client = sync_redis.Redis.from_url(redis_server.url)
-    learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_ONE)
-    key = ModelKeys.for_model("m").rates
+    learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_AND_TRACK)
+    keys = [ModelKeys.for_model("m").rates, ModelKeys.for_model("m").ttft_errors]
+    key = keys[0]
     rng = random.Random(7)
     fits = {w: SETTINGS.first_fit() for w in ("w0", "w1", "w2")}
+    errors = dict.fromkeys(fits, PredictionError())
     truth = dict.fromkeys(fits, 1.0)
     for step in range(600):
         worker = rng.choice(sorted(fits))
@@ -177,12 +267,34 @@ def test_the_fit_in_redis_is_the_pure_fit(redis_server):
         ttft = truth_s((truth[worker],) * 3, work) * rng.uniform(0.9, 1.1)
         ttft = rng.choice([ttft, ttft, ttft, 50.0, 0.0, -1.0]) if rng.random() < 0.05 else ttft
         max_step = rng.choice([0.0, CLIENT_SAMPLES.max_step, 0.2])  # the router's own, or a client's
-        fits[worker] = observe(fits[worker], PRIOR, work, ttft, SETTINGS, max_step)
-        answer = learn(keys=[key], args=lua_arguments(worker, work, ttft, max_step))
+        fits[worker], errors[worker], _ = observe_and_track(fits[worker], errors[worker], PRIOR, work, ttft,
+                                                            SETTINGS, max_step)
+        answer, error = learn(keys=keys, args=[*lua_arguments(worker, work, ttft, max_step), repr(ERROR_MEMORY)])
         assert decode_fit(answer) == fits[worker], f"step {step}"
         assert answer == encode_fit(fits[worker])
+        assert error == (encode_error(errors[worker]) if errors[worker].samples else b""), f"step {step}"
     assert {k.decode(): decode_fit(v) for k, v in client.hgetall(key).items()} == fits
+    assert {k.decode(): decode_error(v) for k, v in client.hgetall(keys[1]).items()} == errors
     assert all(f.samples > 100 for f in fits.values())
+    # every first token that taught was compared with the prediction just before it
+    assert all(e.samples == f.samples and e.mape > 0 for e, f in zip(errors.values(), fits.values()))
+
+
+def test_the_prediction_error_is_the_mean_of_the_first_20_then_follows_the_last_20():
+    from kvtier.router.rates import ERROR_MEMORY, track_error
+    from kvtier.schemas.rates import PredictionError
+
+    held, off = track_error(PredictionError(), 1.0, 0.8)  # predicted 1 s, came in 0.8: 25% too long
+    assert off == pytest.approx(0.25) and held == PredictionError(samples=1, mape=off, bias=off)
+    held, off = track_error(held, 1.0, 1.25)  # then 20% too short
+    assert off == pytest.approx(-0.2)
+    assert (held.samples, held.mape, held.bias) == (2, pytest.approx(0.225), pytest.approx(0.025))
+    for _ in range(int(1 / ERROR_MEMORY) - 2):
+        held, _ = track_error(held, 1.0, 1.0)
+    assert held.mape == pytest.approx(0.45 / 20)  # the mean of the first 20
+    for _ in range(100):  # the worker changed: predictions now 50% too short, and the mean follows
+        held, _ = track_error(held, 1.0, 2.0)
+    assert held.mape == pytest.approx(0.5, rel=0.01) and held.bias == pytest.approx(-0.5, rel=0.01)
 
 
 def test_errors_beyond_the_bound_in_a_row_are_a_change_not_outliers():
@@ -207,7 +319,7 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
     from kvtier.schemas.rates import encode_fit
 
     fit = RateFit(multipliers=(2.0, 1.5, 1.0), samples=3)
-    # an unreadable field is left out: that worker is priced as the typical one
+    # an unreadable field is left out: that worker is untrusted, so nothing is overridden
     assert fits_of([b"w0", encode_fit(fit), b"w1", b"not a fit"]) == {"w0": fit}
     roster = Roster(read_at=0.0, live={"w0": (64, 1 << 40)}, lease_count=1, stale=frozenset(), marker_id="m",
                     ready=True, rebuilding=False, change=0, next_expiry_ms=1 << 40, load_version=None)
@@ -220,30 +332,6 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
     assert roster.load_version is None and roster.rates["w0"] == taught
     roster.set_loads(10, [], [])  # loads without rates (a replica that does not price) keep them
     assert roster.rates["w0"] == taught
-
-
-def test_a_roster_copy_prices_at_the_rates_it_holds_now():
-    """The priced weights a copy keeps between decisions follow every change of its rates."""
-    from kvtier.router.rates import pricing_by_worker, weights_by_worker
-    from kvtier.router.roster import Roster
-    from kvtier.schemas.rates import encode_fit
-
-    weights = ScoringWeights()
-    live = {w: (64, 1 << 40) for w in ("w0", "w1", "w2")}
-    roster = Roster(read_at=0.0, live=live, lease_count=3, stale=frozenset(), marker_id="m", ready=True,
-                    rebuilding=False, change=0, next_expiry_ms=1 << 40, load_version=None)
-
-    def expected():
-        return weights_by_worker(weights, pricing_by_worker(roster.rates, roster.candidates))
-
-    fast, slow = RateFit(multipliers=(1.0, 1.0, 1.0), samples=9), RateFit(multipliers=(2.0, 2.0, 2.0), samples=9)
-    roster.set_loads(1, [], [], [b"w0", encode_fit(fast), b"w1", encode_fit(fast), b"w2", encode_fit(fast)])
-    assert roster.priced_weights(weights) == expected() and all(w == weights for w in expected().values())
-    roster.add("w2", 0, 0, 2, slow)  # this replica's release taught w2: it is slow now
-    assert roster.priced_weights(weights) == expected()
-    assert roster.priced_weights(weights)["w2"].prefill_load_scale > weights.prefill_load_scale
-    roster.set_loads(5, [], [], [b"w0", encode_fit(fast), b"w1", encode_fit(fast), b"w2", encode_fit(fast)])
-    assert roster.priced_weights(weights) == expected() and roster.priced_weights(weights)["w2"] == weights
 
 
 def test_a_fit_not_in_the_layout_starts_again_instead_of_failing_the_release(redis_server):

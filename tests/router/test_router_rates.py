@@ -1,8 +1,8 @@
 """Worker rates learned by real `kvtier router` replicas against a real Redis-protocol server:
 each booking keeps the work its decision predicted, the first token's release teaches the
 worker's fit (release.lua), every replica reads the same rates (/healthz, metrics, `kvtier
-inspect`), `--router-mode predicted-ttft` prices the formula at them, and a bad first-token
-time is refused with a clear 400."""
+inspect`) and how far their predictions were off, `--router-mode predicted-ttft` overrides the
+formula's choice at them, and a bad first-token time is refused with a clear 400."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ def test_first_tokens_teach_every_replica_the_workers_rates_and_predicted_ttft_p
         seeder.worker(worker, PAGE)
     learner = RouterProcess(redis_server.url, "--auth-token", TOKEN)
     priced = RouterProcess(redis_server.url, "--router-mode", "predicted-ttft", "--auth-token", TOKEN)
+    # the same mode on the full read (select_and_book.lua's override), not the lean copy's
+    full_read = RouterProcess(redis_server.url, "--router-mode", "predicted-ttft", "--state-source", "redis",
+                              "--auth-token", TOKEN)
     try:
         for i in range(30):
             # two requests at once: the second goes to the other worker, so both are sampled
@@ -61,8 +64,14 @@ def test_first_tokens_teach_every_replica_the_workers_rates_and_predicted_ttft_p
                 ttft_ms = len(tokens) / RATE_PRIOR.compute_tokens_per_s * TRUTH[worker] * 1000
                 status, body, _ = release(learner, request_id, "first_token", ttft_ms)
                 assert status == 200, body
+                # each first token that teaches says what the rates predicted for it, and how far off
+                predicted = body["predicted_ttft_ms"]
+                assert predicted > 0 and body["ttft_error"] == pytest.approx((predicted - ttft_ms) / ttft_ms), body
+                if i == 0:  # the prior's prediction: right for fast, a third of slow's time
+                    assert body["ttft_error"] == pytest.approx(0.0 if worker == "fast" else -2 / 3), body
                 # a booking teaches once: a second first-token release of it learns nothing
-                assert release(learner, request_id, "first_token", 1.0)[0] == 200
+                status, body, _ = release(learner, request_id, "first_token", 1.0)
+                assert status == 200 and body["predicted_ttft_ms"] is None and body["ttft_error"] is None
                 assert release(learner, request_id, "complete")[0] == 200
 
         # both replicas show what the releases taught, whichever replica took them
@@ -72,19 +81,40 @@ def test_first_tokens_teach_every_replica_the_workers_rates_and_predicted_ttft_p
             learned = rates_of(router)
             for worker, truth in TRUTH.items():
                 assert abs(learned[worker]["compute"] - truth) < 0.10 * truth, learned
+                # 30 first tokens compared; slow's first ones were up to 67% off (the mean of the
+                # first 20, then the last ~20's), the fit's since then close
+                assert learned[worker]["ttft_compared"] == 30, learned
+                assert learned[worker]["ttft_mape"] < 0.25 and abs(learned[worker]["ttft_bias"]) < 0.25, learned
+            assert learned["slow"]["ttft_mape"] > learned["fast"]["ttft_mape"], learned
         assert http("GET", priced.url + "/healthz", token=priced.token)[1]["pricing"] == "learned-rates"
         assert http("GET", learner.url + "/healthz", token=learner.token)[1]["pricing"] == "formula"
         metrics = priced.metrics()
         assert 'router_worker_rate{kind="compute"' in metrics and 'worker="slow"' in metrics
+        slow_series = [line for line in metrics.splitlines() if 'worker="slow"' in line]
+        mape = [line for line in slow_series
+                if line.startswith("router_ttft_prediction_error{") and 'stat="mape"' in line]
+        assert len(mape) == 1 and 0 < float(mape[0].split()[-1]) < 0.25, slow_series
+        assert any(line.startswith("router_ttft_predictions_compared{") and line.endswith(" 30.0")
+                   for line in slow_series), slow_series
 
-        # on idle workers the priced formula picks fast (the formula ties them: a coin toss)
+        # on idle workers the formula ties them (a coin toss, by each decision's draw); both
+        # paths of predicted-ttft override it to fast, whose first token comes in a third of the time
+        fast_ms = len(tokens) / RATE_PRIOR.compute_tokens_per_s * 1000
+        for router in (priced, full_read):
+            answers = [router.route(MODEL, tokens, book=False)[1] for _ in range(8)]
+            assert [a["worker_id"] for a in answers] == ["fast"] * 8, (router.url, answers)
+            # each says what it predicts: 256 tokens at fast's rate, nothing queued ahead
+            assert all(a["predicted_ttft_ms"] == pytest.approx(fast_ms, rel=0.1) for a in answers), answers
+        assert learner.route(MODEL, tokens, book=False)[1]["predicted_ttft_ms"] is None  # the formula's mode
         status, body, _ = priced.route(MODEL, tokens, request_id="held")
         assert body["worker_id"] == "fast", body
+        # the decision says what it predicts: 256 tokens at fast's rate, nothing queued ahead
+        assert body["predicted_ttft_ms"] == pytest.approx(fast_ms, rel=0.1), body
         # fast holds one request like this one: the formula sends the next to the idle slow
-        # worker, the priced formula to fast still (its wait for one prefill ahead at a third of
-        # the time beats slow's own prefill)
-        assert learner.route(MODEL, tokens, book=False)[1]["worker_id"] == "slow"
-        assert priced.route(MODEL, tokens, book=False)[1]["worker_id"] == "fast"
+        # worker, and so does the override: fast would wait less, but it would become the
+        # busiest worker at decode, which the formula weighs for TPOT (rates.faster_than_formula)
+        for router in (learner, priced, full_read):
+            assert router.route(MODEL, tokens, book=False)[1]["worker_id"] == "slow", router.url
         assert release(learner, "held", "complete")[0] == 200
 
         # a first token with no client time: the router takes the time since its booking
@@ -101,8 +131,12 @@ def test_first_tokens_teach_every_replica_the_workers_rates_and_predicted_ttft_p
         assert inspected.returncode == 0, inspected.stderr
         rows = {r["worker"]: r for r in json.loads(inspected.stdout)}
         assert abs(rows["slow"]["rates"]["compute"] - 3.0) < 0.3 and rows["slow"]["rates"]["samples"] >= 30
+        assert rows["slow"]["rates"]["ttft_compared"] >= 30 and rows["slow"]["rates"]["ttft_mape"] < 0.3, rows
+        table = subprocess.run([sys.executable, "-m", "kvtier.cli", "inspect", "--redis", redis_server.url,
+                                "--model", MODEL], capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0 and "TTFT predicted" in table.stdout, table
     finally:
-        stop_all(learner, priced)
+        stop_all(learner, priced, full_read)
 
 
 def test_a_bad_first_token_time_gets_a_clear_400(redis_client, redis_server):

@@ -219,7 +219,8 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
             "engine_queues": [{"model": "m", "worker_id": "w1", "waiting": 2, "running": 5, "read_ago_s": 0.7}],
             "pricing": "learned-rates",
             "worker_rates": [{"model": "m", "worker_id": "w1", "compute": 2.01, "host_load": 1.5, "l3_load": 1.0,
-                              "samples": 40, "relative_error": 0.03}],
+                              "samples": 40, "relative_error": 0.03, "ttft_mape": 0.12, "ttft_bias": -0.04,
+                              "ttft_compared": 40}],
             "page_size": None,
             "decision_log": {"enabled": True, "connected": False}, "models": ["m"], "state_source": "mirror",
             "indexes": [{"model": "m", "ready": True, "position": "1796162837965-0", "change": 2,
@@ -241,6 +242,7 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
     assert health.hash_scheme.mismatched_workers[0].kinds == {"hash_scheme": 3}
     assert health.engine_queues[0].waiting == 2 and health.engine_queues[0].running == 5
     assert health.worker_rates[0].compute == 2.01 and health.pricing == "learned-rates"
+    assert health.worker_rates[0].ttft_mape == 0.12 and health.worker_rates[0].ttft_compared == 40
     assert judge._router_page_size(views.RouterView(url="r", reachable=True, healthz=health)) == (True, None)
     assert decode_router_health(b'{"status": "ok"}').page_size is msgspec.UNSET
     # A router from before --processes wrote no "processes": it reads as one process.
