@@ -241,8 +241,8 @@ class FasterPick:
     where the learned rates say, by a wide margin, that another one gives its first token
     sooner without taking on work the formula's worker would not: with fewer than
     `min_samples` first tokens behind any candidate's fit, or a candidate that just changed
-    (its fit's streak), the formula's choice stands: wherever the rates are unsure, decisions
-    are the formula's."""
+    (its fit's streak), or one whose fit is more than `max_error` off its first tokens, the
+    formula's choice stands: wherever the rates are unsure, decisions are the formula's."""
 
     #: The override's predicted first token must be at least this much sooner than the
     #: formula's (at 0.35 and 0.5 the suite's mixed clusters gained less and its bursty
@@ -257,9 +257,17 @@ class FasterPick:
     #: bursty and shared-prompt workloads) and lost up to 7% at p99; with them, none.
     faster_by: float = 0.2
     min_samples: int = 20
+    #: A fit whose mean relative error is above this predicts first tokens too poorly to act on:
+    #: no override among candidates that include it. On the suite's conversation and synthetic
+    #: workloads fits are 2-14% off (p10-p90); on its agentic, shared-prompt and bursty ones
+    #: 12-73% (their first tokens wait on decode steps and on partly done prefill the rates do
+    #: not see), and with overrides there (at 0.3) agentic on half-speed workers lost 7% at
+    #: TTFT p50 (docs/benchmarks/replay.md).
+    max_error: float = 0.15
 
     def trusted(self, fit: RateFit | None) -> bool:
-        return fit is not None and fit.samples >= self.min_samples and fit.streak == 0
+        return (fit is not None and fit.samples >= self.min_samples and fit.streak == 0
+                and fit.relative_error <= self.max_error)
 
 
 FASTER_PICK = FasterPick()

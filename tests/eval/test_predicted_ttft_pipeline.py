@@ -22,7 +22,7 @@ from kvtier.schemas.state_keys import ModelKeys, as_text
 from kvtier.sim.sim_cluster import ClusterShape
 
 SHAPE = ClusterShape(workers=4, page_size=64, device_pages=256, host_pages=1024, l3=True,
-                     worker_speeds=(1.0, 1.0, 0.25, 0.25))
+                     worker_speeds=(1.0, 1.0, 0.5, 0.5))
 
 
 def run(policy, requests):
@@ -46,8 +46,9 @@ async def held_fits(redis_url: str, model: str) -> tuple[dict, dict]:
 def test_predicted_ttft_routers_learn_and_decide_as_the_model():
     from kvtier.eval.pipeline import PipelinePolicy, running_stack
 
-    # 200: by then every worker has FasterPick.min_samples first tokens behind its fit
-    requests = prepare(load_trace(SAMPLE_TRACE, 200), SHAPE.page_size)
+    # 280: by then every worker has FasterPick.min_samples first tokens behind a fit within
+    # FasterPick.max_error of them (the slow ones' settle last)
+    requests = prepare(load_trace(SAMPLE_TRACE, 280), SHAPE.page_size)
     model = PredictedTtftModel("predicted_ttft", 4, 64, ScoringWeights(), True, 0.005, 3)
     modelled = run(model, requests)
     plain = run(RouterModel("tier_aware_shared", 4, 64, ScoringWeights(), True, 0.005, 3), requests)
@@ -68,4 +69,4 @@ def test_predicted_ttft_routers_learn_and_decide_as_the_model():
     assert errors == {worker_id(r): error for r, error in enumerate(model.errors) if error.samples}
     slow = [model.fits[r].multipliers[0] for r in (2, 3)]
     fast = [model.fits[r].multipliers[0] for r in (0, 1)]
-    assert min(slow) > 2 * max(fast), (slow, fast)
+    assert min(slow) > 1.7 * max(fast), (slow, fast)  # twice as slow, learned within 15%

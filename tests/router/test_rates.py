@@ -116,7 +116,7 @@ multipliers = st.tuples(st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0.05
 PAGE = 16
 #: Fits the override trusts (FasterPick.min_samples first tokens, no change under way).
 trusted_fits = st.builds(lambda m, e: RateFit(multipliers=m, samples=FASTER_PICK.min_samples, relative_error=e),
-                         multipliers, st.floats(0, 0.6))
+                         multipliers, st.floats(0, FASTER_PICK.max_error))
 
 
 def columns_of(candidates, fits, n_tokens: int):
@@ -153,13 +153,15 @@ def test_the_override_only_takes_a_clearly_faster_worker_that_does_no_more_work(
 @given(candidates=candidate_lists, data=st.data())
 def test_while_any_fit_is_unsure_the_formulas_choice_stands(candidates, data):
     """A candidate with too few first tokens behind its fit, one whose fit is in a change (its
-    streak), or one with none: no override, however fast the others look."""
+    streak), one whose fit predicts too poorly (max_error), or one with none: no override,
+    however fast the others look."""
     n = len(candidates)
     fits = data.draw(st.lists(trusted_fits, min_size=n, max_size=n))
     unsure = data.draw(st.integers(0, n - 1))
     fits[unsure] = data.draw(st.sampled_from([
         None, RateFit(multipliers=fits[unsure].multipliers, samples=FASTER_PICK.min_samples - 1),
-        RateFit(multipliers=fits[unsure].multipliers, samples=500, streak=data.draw(st.sampled_from([-2, -1, 1, 2])))]))
+        RateFit(multipliers=fits[unsure].multipliers, samples=500, streak=data.draw(st.sampled_from([-2, -1, 1, 2]))),
+        RateFit(multipliers=fits[unsure].multipliers, samples=500, relative_error=FASTER_PICK.max_error + 0.01)]))
     formula = data.draw(st.integers(0, n - 1))
     columns = columns_of(candidates, fits, 64 * PAGE)
     assert not columns.trusted[unsure] and columns.text() == ""
