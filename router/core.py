@@ -306,7 +306,7 @@ class Router:
         selection = await self._select_and_book(request, request_id, scores, inputs, credits, read.pages_by_size,
                                                 weights, u, columns, [v.page_size for v in fresh], owner)
         booked_inputs = steps.with_loads(inputs, selection.prefill_loads, selection.decode_loads)
-        scored = steps.formula_then_faster(scores.n_pages, booked_inputs, weights, u, columns)
+        scored = rates.formula_then_faster(scores.n_pages, booked_inputs, weights, u, columns)
         if scored.chosen != selection.chosen and self.settings.selection == "score":
             self.metrics.scoring_mismatch.inc()
             log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",

@@ -40,7 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.schemas.rates import PredictionError, RateFit, RatePrior
-from kvtier.schemas.routing import TierOverlap
+from kvtier.schemas.routing import ScoringWeights, TierOverlap
+
+from . import scoring
 
 
 @dataclass(frozen=True)
@@ -212,9 +214,14 @@ def track_error(held: PredictionError, predicted_s: float, ttft_s: float, memory
     """`held` after one first token that took `ttft_s` (> 0) where `predicted_s` was predicted,
     and that one's error: relative to the true time, signed so that > 0 predicts too long."""
     off = (predicted_s - ttft_s) / ttft_s
+    return with_error(held, off, memory), off
+
+
+def with_error(held: PredictionError, off: float, memory: float = ERROR_MEMORY) -> PredictionError:
+    """`held` after one more error `off` (memory 0: the mean over every one)."""
     weight = max(memory, 1.0 / (held.samples + 1))
     return PredictionError(samples=held.samples + 1, mape=(1 - weight) * held.mape + weight * abs(off),
-                           bias=(1 - weight) * held.bias + weight * off), off
+                           bias=(1 - weight) * held.bias + weight * off)
 
 
 def observe_and_track(fit: RateFit, held: PredictionError, prior: RatePrior, work: Work, ttft_s: float,
@@ -251,10 +258,10 @@ class FasterPick:
     #: And the override's worker must compute faster than the formula's by this much beyond
     #: both fits' mean relative errors: its seconds per token x (1 + its error) under
     #: (1 - faster_by) x the other's x (1 - the other's error). Between workers whose fits
-    #: differ by less, nothing moves; where the rates predict first tokens poorly (a workload
-    #: they do not fit: errors of 30% and more), nothing moves either. Without the errors, at
-    #: 0.2 and at 0.33, the suite's equal workers saw overrides (fits 20-30% apart on agentic,
-    #: bursty and shared-prompt workloads) and lost up to 7% at p99; with them, none.
+    #: differ by less, nothing moves (and past `max_error` a fit is not trusted at all).
+    #: Without the errors, at 0.2 and at 0.33, the suite's equal workers saw overrides (fits
+    #: 20-30% apart on agentic, bursty and shared-prompt workloads) and lost up to 7% at p99;
+    #: with them, none.
     faster_by: float = 0.2
     min_samples: int = 20
     #: A fit whose mean relative error is above this predicts first tokens too poorly to act on:
@@ -358,3 +365,16 @@ def faster_than_formula(formula: int, pool: Sequence[int], columns: TtftColumns 
             if ttft_s < best_s:  # ties: the lowest index (the formula's own ttft never passes the margin)
                 best, best_s = i, ttft_s
     return best if best_s < limit else formula
+
+
+def formula_then_faster(n_pages: int, inputs: Sequence[scoring.CandidateInputs], weights: ScoringWeights, u: float,
+                        columns: TtftColumns | None, pick: FasterPick = FASTER_PICK) -> scoring.Scored:
+    """What select_and_book.lua chooses among `inputs` at the loads they carry: the formula's
+    choice, then with `columns` (--router-mode predicted-ttft) a clearly faster worker instead
+    (`faster_than_formula`)."""
+    scored = scoring.score(n_pages, inputs, weights, u)
+    if columns is None:
+        return scored
+    chosen = faster_than_formula(scored.chosen, range(len(inputs)), columns, [c.prefill_load for c in inputs],
+                                 [c.decode_load for c in inputs], pick)
+    return scoring.Scored(chosen, scored.logits)

@@ -28,19 +28,20 @@
 -- a fraction of the true time (signed: > 0 predicted too long) for a first token that taught
 -- ("" otherwise)}.
 local base, request_id, stage = ARGV[1], ARGV[2], ARGV[3]
+local NOTHING = {0, '', 0, 0, 0, '', '', '', ''}  -- no booking released
 if request_id == '' then
   sweep_expired(base, tonumber(ARGV[4]), tonumber(ARGV[5]))
-  return {0, '', 0, 0, 0, '', '', '', ''}
+  return NOTHING
 end
 local owner, client = ARGV[20] or '', ARGV[21] or ''
 if owner ~= '' and redis.call('HGET', KEYS[5], 'owner') ~= owner then
   if redis.call('EXISTS', KEYS[5]) == 1 then return {-1, '', 0, 0, 0, '', '', '', ''} end
-  return {0, '', 0, 0, 0, '', '', '', ''}
+  return NOTHING
 end
 if stage == 'first_token' then
   local bk = KEYS[5]
   local held = redis.call('HMGET', bk, 'worker', 'prefill', 'work', 'at')
-  if not held[1] then return {0, '', 0, 0, 0, '', '', '', ''} end
+  if not held[1] then return NOTHING end
   local prefill = tonumber(held[2]) or 0
   add_load(LOAD.prefill, held[1], -prefill)
   redis.call('HSET', bk, 'prefill', 0)
@@ -77,5 +78,5 @@ if stage == 'first_token' then
   return {1, held[1], prefill, 0, loads_changed(), fit, refused, predicted_ms, off}
 end
 local held, version = drop_booking(base, KEYS[5], request_id)
-if not held[1] then return {0, '', 0, 0, 0, '', '', '', ''} end
+if not held[1] then return NOTHING end
 return {1, held[1], tonumber(held[2]) or 0, tonumber(held[3]) or 0, version, '', '', '', ''}

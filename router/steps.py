@@ -23,7 +23,7 @@ from kvtier.schemas.routing import (
 )
 from kvtier.schemas.worker import MooncakeLayout
 
-from . import rates, scoring
+from . import scoring
 from .errors import Busy, NoWorkers
 from .hashing import RequestPages
 from .shared_pool import SharedPages
@@ -272,15 +272,3 @@ def decision_record(*, request_id: str, model: str, router_id: str, ts: float, w
         chosen=chosen, candidates=candidates, degraded=degraded, latency_ms=latency_s * 1000,
         shared_pool_queried=shared_queried, predicted_ttft_ms=predicted_ttft_ms)
 
-
-def formula_then_faster(n_pages: int, inputs: list[scoring.CandidateInputs], weights: ScoringWeights, u: float,
-                        columns: rates.TtftColumns | None) -> scoring.Scored:
-    """What select_and_book.lua chooses among `inputs` at the loads they carry: the formula's
-    choice, then with `columns` (--router-mode predicted-ttft) a clearly faster worker instead
-    (rates.faster_than_formula)."""
-    scored = scoring.score(n_pages, inputs, weights, u)
-    if columns is None:
-        return scored
-    chosen = rates.faster_than_formula(scored.chosen, range(len(inputs)), columns, [c.prefill_load for c in inputs],
-                                       [c.decode_load for c in inputs])
-    return scoring.Scored(chosen, scored.logits)

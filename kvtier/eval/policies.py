@@ -31,10 +31,11 @@ from kvtier.router.rates import (
     FasterPick,
     FitSettings,
     Work,
-    faster_than_formula,
+    formula_then_faster,
     observe_and_track,
     predicted_work,
     ttft_columns,
+    with_error,
 )
 from kvtier.router.walk import walk as tier_walk
 from kvtier.schemas.hashes import BlockHash, block_hash_of_digest
@@ -337,9 +338,9 @@ class PredictedTtftModel(RouterModel):
         self.pick = pick
         self.fits: list[RateFit] = [self.fit_settings.first_fit() for _ in range(self.workers)]
         self.errors: list[PredictionError] = [PredictionError() for _ in range(self.workers)]
-        #: Per rank, over the whole replay: the first tokens compared and their absolute and
-        #: signed errors' sums (a replay's own figure beside the routers' running ones).
-        self._compared: list[list[float]] = [[0, 0.0, 0.0] for _ in range(self.workers)]
+        #: Per rank, the same errors' means over the whole replay (a replay's own figure beside
+        #: the routers' running ones).
+        self.run_errors: list[PredictionError] = [PredictionError() for _ in range(self.workers)]
         self._request: PreparedRequest | None = None
 
     async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
@@ -347,16 +348,12 @@ class PredictedTtftModel(RouterModel):
         return await super().decide(request, now, cluster, truth, tokens)
 
     def _score(self, request_pages, candidates, u):
-        scored = scoring.score(request_pages, candidates, self.weights, u)
         request = self._request
         assert request is not None
         columns = ttft_columns(request.input_tokens, [c.overlap for c in candidates],
                                [self.page_size] * len(candidates), [self.fits[r] for r in self.order], self.prior,
                                self.pick)
-        chosen = faster_than_formula(scored.chosen, range(len(candidates)), columns,
-                                     [c.prefill_load for c in candidates], [c.decode_load for c in candidates],
-                                     self.pick)
-        return scoring.Scored(chosen, scored.logits)
+        return formula_then_faster(request_pages, candidates, self.weights, u, columns, self.pick)
 
     def _decided(self, request, rank, seen) -> Work:
         return predicted_work(request.input_tokens, seen.overlap, seen.prefill_load, self.page_size)
@@ -366,10 +363,7 @@ class PredictedTtftModel(RouterModel):
         self.fits[rank], self.errors[rank], off = observe_and_track(self.fits[rank], self.errors[rank], self.prior,
                                                                     work, ttft_ms / 1000, self.fit_settings)
         if off is not None:
-            compared = self._compared[rank]
-            compared[0] += 1
-            compared[1] += abs(off)
-            compared[2] += off
+            self.run_errors[rank] = with_error(self.run_errors[rank], off, memory=0.0)
 
     def learned(self, cluster: SimCluster, now: float) -> dict:
         """Per rank: samples, the learned compute multiplier and the true one at `now` (the
@@ -379,9 +373,9 @@ class PredictedTtftModel(RouterModel):
                             "true_compute": round(1 / cluster.speed(rank, now), 3),
                             "host_load": round(fit.multipliers[1], 3), "l3_load": round(fit.multipliers[2], 3),
                             "ttft_mape": round(error.mape, 3), "ttft_bias": round(error.bias, 3),
-                            "ttft_mape_run": round(c[1] / c[0], 3) if c[0] else None,
-                            "ttft_bias_run": round(c[2] / c[0], 3) if c[0] else None}
-                for rank, (fit, error, c) in enumerate(zip(self.fits, self.errors, self._compared))}
+                            "ttft_mape_run": round(run.mape, 3) if run.samples else None,
+                            "ttft_bias_run": round(run.bias, 3) if run.samples else None}
+                for rank, (fit, error, run) in enumerate(zip(self.fits, self.errors, self.run_errors))}
 
 
 def worker_id(rank: int) -> str:

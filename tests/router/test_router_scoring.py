@@ -12,7 +12,7 @@ import redis.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.router import rates, scoring, steps
+from kvtier.router import rates, scoring
 from kvtier.router.booking import LoadBook
 from kvtier.router.hashing import RequestPages
 from kvtier.router.shared_pool import SharedPages
@@ -242,7 +242,7 @@ def test_in_redis_a_worker_faster_only_within_the_fits_errors_is_not_taken(redis
                 "m", f"r{error}", 64, 70, [("w0", 0.0, 0), ("w1", 0.0, 0)], 16.0, 0.0, 0.5, faster=columns)
             inputs = [scoring.CandidateInputs(w, TierOverlap(), p, 10) for w, p in (("w0", 0), ("w1", 5))]
             assert scoring.score(64, inputs, ScoringWeights(), 0.5).chosen == 0  # the formula's: w0
-            assert selection.chosen == steps.formula_then_faster(64, inputs, ScoringWeights(), 0.5, columns).chosen
+            assert selection.chosen == rates.formula_then_faster(64, inputs, ScoringWeights(), 0.5, columns).chosen
             return selection.chosen
         finally:
             await client.aclose()
