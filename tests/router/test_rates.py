@@ -353,3 +353,42 @@ def test_a_fit_not_in_the_layout_starts_again_instead_of_failing_the_release(red
         client.hset(key, "w", stray)
         fit = decode_fit(learn(keys=[key], args=lua_arguments("w", work, 0.3)))
         assert fit == observe(SETTINGS.first_fit(), PRIOR, work, 0.3, SETTINGS)
+
+
+def test_a_stray_prediction_error_starts_again_and_is_shown_as_none_yet(redis_server):
+    """A value under a worker's field of the errors hash that is not a PredictionError: the next
+    first token's release starts that worker's error again instead of failing (its load would
+    stay booked), and /healthz's reader, meanwhile, shows the worker's rates with no error yet."""
+    import asyncio
+
+    import redis as sync_redis
+    import redis.asyncio
+
+    from kvtier.plumbing.lua_scripts import load_lua
+    from kvtier.router.rates import ERROR_MEMORY, observe_and_track
+    from kvtier.router.state import read_worker_rates
+    from kvtier.schemas.rates import PredictionError, decode_error, encode_fit
+    from kvtier.schemas.state_keys import MODELS_KEY, ModelKeys
+
+    client = sync_redis.Redis.from_url(redis_server.url)
+    keys = ModelKeys.for_model("m-errors")
+    learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_AND_TRACK)
+    work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
+    fit = RateFit(multipliers=(2.0, 1.0, 1.0), samples=30)
+    for stray in (b"x" * 23, b"not an error", b""):
+        client.hset(keys.rates, "w", encode_fit(fit))
+        client.hset(keys.ttft_errors, "w", stray)
+        client.sadd(MODELS_KEY, keys.model_token)
+
+        async def shown():
+            reader = redis.asyncio.Redis.from_url(redis_server.url)
+            try:
+                return await read_worker_rates(reader)
+            finally:
+                await reader.aclose()
+
+        [row] = [r for r in asyncio.run(shown()) if r.model == keys.model_token]
+        assert (row.compute, row.ttft_compared, row.ttft_mape) == (2.0, 0, 0.0), row
+        _, error = learn(keys=[keys.rates, keys.ttft_errors],
+                         args=[*lua_arguments("w", work, 0.3), repr(ERROR_MEMORY)])
+        assert decode_error(error) == observe_and_track(fit, PredictionError(), PRIOR, work, 0.3, SETTINGS)[1]
