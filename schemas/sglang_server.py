@@ -14,6 +14,10 @@ ignored, so newer SGLang versions keep decoding. Shapes as of SGLang 0.5.23:
 - `POST /generate` (native API): the body kvtier's clients send (`GenerateBody`), and the
   reply's `meta_info`, the worker's own account of a request, which `kvtier probe hicache` and
   the benchmarks read (`kvtier sim-worker` encodes its reply from the same types).
+- What a gateway asks before it admits a worker (SGLang's model gateway `smg` asks for
+  `/health`, `/v1/models`, `/server_info`, `/model_info` and `/v1/loads`): `ModelList`,
+  `ModelInfo`, `VersionReply`, `LoadsReply`. `kvtier sim-worker` answers them from these types
+  (with `ServerInfo` for `/server_info`), so a gateway that admits SGLang admits it.
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     model_path: str | None = None
     served_model_name: str | None = None
     version: str = ""
+    #: Read by gateways, not by kvtier (`kvtier sim-worker` sends them as SGLang does).
+    hicache_ratio: float | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
 
 
 class L3Pool(msgspec.Struct, kw_only=True):
@@ -167,6 +175,83 @@ class GenerateReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: `kvtier sim-worker`: the rank that served the request (SGLang does not send it).
     rank: int | None = None
     meta_info: GenerateMetaInfo | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One entry of `GET /v1/models`. A gateway tells SGLang from other engines by `owned_by`."""
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "sglang"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """`GET /v1/models`."""
+
+    object: str = "list"
+    data: list[ModelCard] = msgspec.field(default_factory=list)
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """`GET /model_info` (and the older `/get_model_info`)."""
+
+    model_path: str
+    served_model_name: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: str | None = None
+    weight_version: str = "default"
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    model_type: str | None = None
+    architectures: list[str] | None = None
+
+
+class VersionReply(msgspec.Struct, kw_only=True):
+    """`GET /version`."""
+
+    version: str
+
+
+class LoadQueues(msgspec.Struct, kw_only=True):
+    """`/v1/loads` `queues`: the waiting requests by why they wait."""
+
+    waiting: int = 0
+    grammar: int = 0
+    paused: int = 0
+    retracted: int = 0
+    prealloc_ready: int = 0
+
+
+class RankLoad(msgspec.Struct, kw_only=True):
+    """One DP rank of `GET /v1/loads` (SGLang's `LoadSnapshot`, the core fields and `queues`)."""
+
+    dp_rank: int
+    timestamp: float = 0.0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_waiting_uncached_tokens: int = 0
+    num_used_tokens: int = 0
+    num_total_tokens: int = 0
+    max_total_num_tokens: int = 0
+    max_running_requests: int = 0
+    token_usage: float = 0.0
+    cache_hit_rate: float = 0.0
+    utilization: float = 0.0
+    queues: LoadQueues = msgspec.field(default_factory=LoadQueues)
+
+
+class LoadsReply(msgspec.Struct, kw_only=True):
+    """`GET /v1/loads[?include=core,queues,...]`."""
+
+    timestamp: str
+    version: str
+    accelerator: str | None = None
+    num_accelerators: int = 1
+    loads: list[RankLoad] = msgspec.field(default_factory=list)
 
 
 _server_info = msgspec.json.Decoder(ServerInfo)

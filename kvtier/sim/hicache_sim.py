@@ -360,6 +360,11 @@ class HiCacheSim:
             node, h = child, h + 1
         return d, h
 
+    @property
+    def device_pages_used(self) -> int:
+        """Pages of the device pool that hold KV now (SGLang's `num_used_tokens` / page size)."""
+        return self._device_used
+
     def next_landing(self) -> float | None:
         """When the next device->host copy in flight lands (None: none in flight)."""
         return self._dma[0][0] if self._dma else None

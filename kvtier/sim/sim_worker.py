@@ -38,6 +38,9 @@ and a router asks the master itself.
         rank (label dp_rank), at the current simulated time
   GET  /health, /w/<rank>/health   200 while serving, as SGLang's /health: what `kvtier bridge`
         asks before it renews a worker's lease (its --worker-url is a rank's /w/<rank>)
+  GET  [/w/<rank>]/v1/models, /server_info, /get_server_info, /model_info, /get_model_info,
+       /version, /health_generate, /v1/loads   as SGLang 0.5.x answers them, so SGLang's own
+        gateway (`smg`) admits each rank as an SGLang worker (kvtier/sim/sglang_api.py)
 
 Every body is a schemas/ type: the sim-worker's own in schemas/sim.py, those it shares with
 SGLang and Mooncake in schemas/sglang_server.py and schemas/mooncake.py.
@@ -80,6 +83,7 @@ from kvtier.schemas.routing import ErrorBody
 from kvtier.schemas.sglang_server import CachedTokensDetails, GenerateMetaInfo, GenerateReply
 from kvtier.schemas.sim import AdvanceBody, AdvanceReply, FlushReply, RankTiers, SimGenerateBody, SimHealth
 from kvtier.sim.hicache_sim import HiCacheSim, InMemorySharedPool, SharedPool, SimConfig
+from kvtier.sim.sglang_api import SglangApi
 from kvtier.sim.sglang_publisher import SglangEventPublisher
 
 log = logging.getLogger("kvtier.sim")
@@ -235,12 +239,12 @@ class SimWorkers:
         by the wall time since the last request."""
         wall = time.monotonic()
         if now is None:
-            now = self._untimed_now(wall)
+            now = self.untimed_now(wall)
         self._wall = wall
         self._now = max(self._now, now)
         return now
 
-    def _untimed_now(self, wall: float) -> float:
+    def untimed_now(self, wall: float) -> float:
         """The simulated time at `wall` for what carries no time of its own."""
         return self._now + (wall - self._wall)
 
@@ -392,7 +396,7 @@ class SimWorkers:
     async def metrics(self, request: web.Request) -> web.Response:
         """The two gauges of SGLang's `/metrics` a router reads for the engine's own queue, one
         sample per rank (`dp_rank`), at the clock's current simulated time."""
-        now = self._untimed_now(time.monotonic())
+        now = self.untimed_now(time.monotonic())
         lines = ["# TYPE sglang:num_queue_reqs gauge", "# TYPE sglang:num_running_reqs gauge"]
         for rank, sim in enumerate(self.sims):
             waiting, running = sim.engine.request_counts(now)
@@ -421,6 +425,7 @@ class SimWorkers:
         app.router.add_get(r"/w/{rank:\d+}/metrics", self.metrics)  # under a rank's worker URL too
         app.router.add_get("/health", self.health)
         app.router.add_get(r"/w/{rank:\d+}/health", self.health)
+        SglangApi(self.config, self.sims, self.untimed_now).add_routes(app)
         return app
 
     def close(self) -> None:
