@@ -44,6 +44,17 @@ class FlushReply(msgspec.Struct, kw_only=True):
 RankTiers = list[tuple[int, list[str]]]
 
 
+class ServedTokens(msgspec.Struct, kw_only=True):
+    """Prompt tokens the ranks have served since start (or the last `/flush_cache`), and those
+    of them found cached, by tier: what a benchmark reads before and after a run to see how
+    much of the prompts a front door's routing let the engines reuse."""
+
+    prompt: int = 0
+    device: int = 0
+    host: int = 0
+    l3: int = 0
+
+
 class SimHealth(msgspec.Struct, kw_only=True):
     """`GET /healthz`."""
 
@@ -55,3 +66,4 @@ class SimHealth(msgspec.Struct, kw_only=True):
     #: Text prompts and chats this sim-worker tokenized itself (prompts given as token ids are
     #: not), so a test sees whether a router handed its ids over.
     tokenized_prompts: int = 0
+    served: ServedTokens = msgspec.field(default_factory=ServedTokens)

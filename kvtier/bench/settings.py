@@ -131,6 +131,33 @@ class ProxyBench:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeersBench:
+    front_doors: str = setting(
+        "direct,smg-round_robin,smg-cache_aware,smg-prefix_hash,smg-power_of_two,kvtier,kvtier-2,"
+        "kvtier-predicted-ttft", flag="--front-doors",
+        help="Comma-separated, measured in this order on the same cluster: direct (the client straight to the "
+             "workers), smg-<policy> (SGLang's model gateway: round_robin, cache_aware, prefix_hash, power_of_two), "
+             "kvtier (one replica), kvtier-2 (two, requests alternating), kvtier-predicted-ttft.")
+    trace: str = setting("conversation", flag="--trace",
+                         help="conversation (the shipped Mooncake sample), synthetic[:SEED], or a Mooncake JSONL.")
+    requests: int = setting(300, flag="--requests", parse=positive_int, help="The trace's first N requests.")
+    time_scale: float = setting(1.0, flag="--time-scale", parse=positive_float,
+                                help="Trace time / wall time (2: twice the trace's rate).")
+    block_tokens: int = setting(64, flag="--block-tokens", parse=positive_int,
+                                help="Tokens of prose per 512-token trace block (a prompt's length scales with it).")
+    max_blocks: int = setting(64, flag="--max-blocks", parse=positive_int, help="Trace blocks per prompt, at most.")
+    max_tokens: int = setting(16, flag="--max-tokens", parse=positive_int,
+                              help="Output tokens per request, at most (the trace's own where fewer).")
+    workers: int = setting(8, flag="--workers", parse=positive_int, help="Paced sim-worker processes.")
+    device_pages: int = setting(512, flag="--device-pages", parse=positive_int,
+                                help="Each worker's GPU pool in pages (its host pool is twice as large).")
+    l3: bool = switch(flag="--l3", help="The workers share an L3 pool (HiCache's Mooncake tier).")
+    settle_seconds: float = setting(2.0, flag="--settle-seconds", parse=positive_float,
+                                    help="After each flush: for paced work to end and cleared caches to reach kvtier.")
+    json: bool = switch(flag="--json", help=_JSON)
+
+
+@dataclass(frozen=True, kw_only=True)
 class OverloadBench:
     workers: int = setting(4, flag="--workers", parse=positive_int, help="sim-worker processes.")
     prompt_tokens: int = setting(2048, flag="--prompt-tokens", parse=positive_int,

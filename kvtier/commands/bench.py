@@ -9,6 +9,7 @@ from kvtier.bench.settings import (
     FuzzBench,
     IngestBench,
     OverloadBench,
+    PeersBench,
     ProxyBench,
     RouteBench,
     SoakBench,
@@ -41,6 +42,16 @@ def register(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flags(px, ProxyBench)
     add_common(px)
+    peers = bench_sub.add_parser(
+        "peers", help="kvtier beside SGLang's model gateway (smg: round_robin, cache_aware, prefix_hash, "
+                      "power_of_two) and the client straight to the workers, on one paced cluster, one trace, in "
+                      "real time: TTFT, TPOT, reuse by tier, the front door's CPU and RSS.",
+        description="Paced sim-workers with their bridges, NATS, a processor, Redis and router replicas as processes "
+                    "on embedded loopback servers; smg launched from its PyPI wheel over the same worker URLs; every "
+                    "cache flushed between front doors (kvtier/bench/peers.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_flags(peers, PeersBench)
+    add_common(peers)
     ov = bench_sub.add_parser(
         "overload", help="The front door at 2x the cluster's capacity, a sim-worker killed and a replica stopped "
                          "mid-run, idle sockets and oversized prompts: every request accounted for.",
@@ -143,6 +154,12 @@ def _run_proxy(args) -> int:
     return run_proxy_bench(read_settings(ProxyBench, args))
 
 
+def _run_peers(args) -> int:
+    from kvtier.bench.peers import run_peers_bench
+
+    return run_peers_bench(read_settings(PeersBench, args))
+
+
 def _run_overload(args) -> int:
     from kvtier.bench.overload import run_overload_bench
 
@@ -185,6 +202,7 @@ RUNS = {
     "replay": _run_replay,
     "route": _run_route,
     "proxy": _run_proxy,
+    "peers": _run_peers,
     "overload": _run_overload,
     "ingest": _run_ingest,
     "soak": _run_soak,

@@ -33,7 +33,8 @@ consumes them unchanged. Requests come over HTTP:
 With `--l3 --mooncake-rpc HOST:PORT --mooncake-metadata URL` the L3 pool is a real Mooncake
 store instead: pages are written and looked up as SGLang HiCache's Mooncake backend names them,
 and a router asks the master itself.
-  GET  /healthz
+  GET  /healthz             ranks, the simulated clock, and the prompt tokens served and found
+                           cached by tier since start or the last whole /flush_cache
   GET  /metrics, /w/<rank>/metrics   SGLang's sglang:num_queue_reqs and sglang:num_running_reqs, per
         rank (label dp_rank), at the current simulated time
   GET  /health, /w/<rank>/health   200 while serving, as SGLang's /health: what `kvtier bridge`
@@ -81,7 +82,15 @@ from kvtier.schemas.openai import (
 )
 from kvtier.schemas.routing import ErrorBody
 from kvtier.schemas.sglang_server import CachedTokensDetails, GenerateMetaInfo, GenerateReply
-from kvtier.schemas.sim import AdvanceBody, AdvanceReply, FlushReply, RankTiers, SimGenerateBody, SimHealth
+from kvtier.schemas.sim import (
+    AdvanceBody,
+    AdvanceReply,
+    FlushReply,
+    RankTiers,
+    ServedTokens,
+    SimGenerateBody,
+    SimHealth,
+)
 from kvtier.sim.hicache_sim import HiCacheSim, InMemorySharedPool, SharedPool, SimConfig
 from kvtier.sim.sglang_api import SglangApi
 from kvtier.sim.sglang_publisher import SglangEventPublisher
@@ -233,6 +242,7 @@ class SimWorkers:
         # As an engine tokenizes: each prompt whole, in one encode (no piece cache, no parts).
         self.tokenizer = ModelTokenizer.load(config.tokenizer, encode_parts=1) if config.tokenizer else None
         self.tokenized_prompts = 0
+        self.served = ServedTokens()
 
     def _tick(self, now: float | None) -> float:
         """The simulated time of a request: its own `now`, or, without one, the clock moved on
@@ -247,6 +257,13 @@ class SimWorkers:
     def untimed_now(self, wall: float) -> float:
         """The simulated time at `wall` for what carries no time of its own."""
         return self._now + (wall - self._wall)
+
+    def _count(self, prompt_tokens: int, result) -> None:
+        page, served = self.config.sim.page_size, self.served
+        served.prompt += prompt_tokens
+        served.device += result.device_hit_pages * page
+        served.host += result.host_hit_pages * page
+        served.l3 += result.l3_hit_pages * page
 
     def _flush(self, rank: int) -> None:
         events = self.sims[rank].drain_events()
@@ -266,6 +283,7 @@ class SimWorkers:
             behind = max(0.0, self._latest_served[rank] - now)
             self._latest_served[rank] = max(self._latest_served[rank], now)
             result = self.sims[rank].serve(body.input_ids, now, body.sampling_params.max_new_tokens or 0)
+            self._count(len(body.input_ids), result)
             self._flush(rank)
         page = self.config.sim.page_size
         return json_response(GenerateReply(rank=rank, meta_info=GenerateMetaInfo(
@@ -313,6 +331,7 @@ class SimWorkers:
             now = self._tick(None)
             self._latest_served[rank] = max(self._latest_served[rank], now)
             result = self.sims[rank].serve(tokens, now, budget)
+            self._count(len(tokens), result)
             self._flush(rank)
         first_byte_s, rest_s = ((result.ttft_s, max(0.0, result.complete_at - now - result.ttft_s))
                                 if self.config.pace else (0.0, 0.0))
@@ -378,6 +397,8 @@ class SimWorkers:
             for rank in ranks:
                 self.sims[rank].reset()
                 self._flush(rank)
+            if len(ranks) == len(self.sims):
+                self.served = ServedTokens()
         return json_response(FlushReply(flushed=list(ranks)))
 
     async def tiers(self, request: web.Request) -> web.Response:
@@ -391,7 +412,7 @@ class SimWorkers:
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response(SimHealth(ranks=len(self.sims), now=self._now,
                                        l3_pages=len(self.pool) if self.pool is not None else None,
-                                       tokenized_prompts=self.tokenized_prompts))
+                                       tokenized_prompts=self.tokenized_prompts, served=self.served))
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The two gauges of SGLang's `/metrics` a router reads for the engine's own queue, one

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kvtier.bench.soak import SoakConfig, Thresholds, judge, least_squares, phase_medians
+from kvtier.bench.soak import SoakConfig
+from kvtier.eval.soak_verdicts import Thresholds, judge, least_squares, phase_medians
 
 BASE = 1_500_000  # Redis used_memory before any page
 PER_ENTRY = 60  # bytes per (page, tier) entry

@@ -15,6 +15,7 @@ import pytest
 from kvtier.harness.embedded import free_port
 from kvtier.producers.sglang_discovery import WorkerFlags, discover, fetch
 from kvtier.schemas.sglang_server import LoadsReply, ModelInfo, ModelList, VersionReply, decode_server_info
+from kvtier.schemas.sim import SimHealth
 from kvtier.sim.sim_worker import free_port_block
 from kvtier.testing.model_tokenizers import write_deepseek_tokenizer
 from kvtier.testing.peers import start_smg, wait_smg
@@ -127,5 +128,13 @@ def test_sglangs_gateway_admits_the_ranks_and_routes_chats_by_their_cache(sim_wo
         assert first["usage"].get("prompt_tokens_details") is None
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= PAGE
         assert first["id"].split("-")[1] == second["id"].split("-")[1]  # the same rank
+        # the sim-worker's own count of what it served, as a benchmark reads it around a run
+        served = msgspec.json.decode(get(url + "/healthz")[1], type=SimHealth).served
+        assert served.prompt == sum(r["usage"]["prompt_tokens"] for r in (first, second)) + chunks[-1]["usage"][
+            "prompt_tokens"]
+        assert served.device == second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert served.host == served.l3 == 0
+        assert http("POST", url + "/flush_cache")[0] == 200
+        assert msgspec.json.decode(get(url + "/healthz")[1], type=SimHealth).served.prompt == 0
     finally:
         smg.stop()
