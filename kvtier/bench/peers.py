@@ -1,13 +1,13 @@
 """`kvtier bench peers`: kvtier beside the gateway SGLang users run today, on one cluster, in real time.
 
 One cluster for every front door: `--workers` paced sim-workers (answers in wall time, each one
-rank serving the OpenAI API with DeepSeek-V4's tokenizer, HiCache host pool, `--l3` for the
-shared pool), their bridges, NATS, a processor, Redis and kvtier's router replicas in proxy mode
-(kvtier/testing/proxy_stack.py). One trace (the shipped conversation sample, or kvtier's
-synthetic one), its requests turned into text prompts (each 512-token trace block becomes
-`--block-tokens` tokens of seeded prose, the same text wherever the block recurs, so shared
-prefixes stay shared), sent by one client at the trace's times / `--time-scale`, streamed, through
-each front door in turn:
+rank serving the OpenAI API with DeepSeek-V4's tokenizer, HiCache host pool; no L3 yet, since
+separate sim-worker processes would each hold a pool of their own), their bridges, NATS, a
+processor, Redis and kvtier's router replicas in proxy mode (kvtier/testing/proxy_stack.py). One
+trace (the shipped conversation sample, or kvtier's synthetic one), its requests turned into text
+prompts (each 512-token trace block becomes `--block-tokens` tokens of seeded prose, the same text
+wherever the block recurs, so shared prefixes stay shared), sent by one client at the trace's
+times / `--time-scale`, streamed, through each front door in turn:
 
 - `direct`: the client straight to the workers, round robin, nothing in between (the floor of
   added latency, and what no routing at all reuses);
@@ -262,7 +262,9 @@ def run_peers_bench(bench: PeersBench) -> int:
         tokenizer = write_deepseek_tokenizer(os.path.join(work, "tokenizer"))
         prompts = TracePrompts(tokenizer, bench.block_tokens, bench.max_blocks)
         requests = _bodies(bench, prompts)
-        sim_flags = ["--pace", "--device-pages", str(bench.device_pages), *(["--l3"] if bench.l3 else [])]
+        # No L3 yet: each worker here is a sim-worker process of its own, so `--l3` would give each a
+        # private pool that also outlives /flush_cache, not the one pool HiCache's Mooncake tier is.
+        sim_flags = ["--pace", "--device-pages", str(bench.device_pages)]
         replicas = 2 if "kvtier-2" in doors else 1
         with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, bench.workers, replicas,
                          ["--max-request-tokens", str(1 << 18)], sim_flags=sim_flags) as stack:
@@ -283,7 +285,7 @@ def run_peers_bench(bench: PeersBench) -> int:
                     predicted.stop()
     floor = next((summarize(r, None)["ttft_p50_ms"] for r in results if r.door == "direct"), None)
     summaries = [summarize(r, floor) for r in results]
-    report: dict[str, Any] = {"trace": bench.trace, "requests": len(requests), "workers": bench.workers, "l3": bench.l3,
+    report: dict[str, Any] = {"trace": bench.trace, "requests": len(requests), "workers": bench.workers,
               "time_scale": bench.time_scale, "block_tokens": bench.block_tokens,
               "front_doors": summaries}
     _print(report)
@@ -310,7 +312,7 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 
 def _print(report: dict[str, Any]) -> None:
     print(f"{report['requests']} requests of the {report['trace']} trace at {report['time_scale']}x its pace, "
-          f"{report['workers']} paced sim-workers{' with a shared L3 pool' if report['l3'] else ''}, "
+          f"{report['workers']} paced sim-workers (device and host pools, no L3), "
           f"each trace block {report['block_tokens']} tokens of prose (DeepSeek-V4's tokenizer)")
     print(f"  {'front door':<24} {'served':>7} {'TTFT p50':>9} {'p99':>8} {'TPOT p99':>9} {'vs direct':>9} "
           f"{'reused dev/host/L3':>20} {'CPU ms/req':>10} {'RSS MB':>7}")

@@ -151,7 +151,6 @@ class PeersBench:
     workers: int = setting(8, flag="--workers", parse=positive_int, help="Paced sim-worker processes.")
     device_pages: int = setting(512, flag="--device-pages", parse=positive_int,
                                 help="Each worker's GPU pool in pages (its host pool is twice as large).")
-    l3: bool = switch(flag="--l3", help="The workers share an L3 pool (HiCache's Mooncake tier).")
     settle_seconds: float = setting(2.0, flag="--settle-seconds", parse=positive_float,
                                     help="After each flush: for paced work to end and cleared caches to reach kvtier.")
     json: bool = switch(flag="--json", help=_JSON)
