@@ -95,18 +95,6 @@ class TracePrompts:
         return "\n\n".join(self.block(h) for h in hash_ids[:self.max_blocks])
 
 
-def _cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds of a live process, from /proc (None where there is none)."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _send(session, url: str, body: dict[str, Any]) -> Sent:
     started = time.perf_counter()
     first = last = None
@@ -193,6 +181,7 @@ def _run_door(door: str, stack, routers: dict[str, tuple[list[str], list]], work
     URLs and processes."""
     from kvtier.testing.peers import SmgMissing, start_smg, wait_smg
     from kvtier.testing.processes import rss_mb
+    from kvtier.testing.samplers import cpu_seconds
 
     sim_bases = [url.rsplit("/w/", 1)[0] for url in stack.workers]
     _flush_and_settle(sim_bases, bench.settle_seconds)
@@ -212,9 +201,9 @@ def _run_door(door: str, stack, routers: dict[str, tuple[list[str], list]], work
         targets, procs = routers[door]
         pids = [p.live_pid for p in procs]
     try:
-        before = [_cpu_s(pid) for pid in pids]
+        before = [cpu_seconds(pid) for pid in pids]
         result.sent, result.wall_s = asyncio.run(_paced(targets, requests))
-        after = [_cpu_s(pid) for pid in pids]
+        after = [cpu_seconds(pid) for pid in pids]
         spent = [a - b for a, b in zip(after, before) if a is not None and b is not None]
         if pids and len(spent) == len(pids):
             result.cpu_s = sum(spent)
@@ -255,7 +244,7 @@ def summarize(result: DoorResult, floor_p50: float | None) -> dict[str, Any]:
 def run_peers_bench(bench: PeersBench) -> int:
     from kvtier.testing.model_tokenizers import write_deepseek_tokenizer
     from kvtier.testing.processes import QUIET, start_router, work_folder
-    from kvtier.testing.proxy_stack import proxy_stack
+    from kvtier.testing.proxy_stack import proxy_stack, wait_routers_up
 
     doors = front_doors(bench.front_doors)
     with work_folder("kvtier-bench-peers-", "kvtier bench peers") as work:
@@ -278,7 +267,7 @@ def run_peers_bench(bench: PeersBench) -> int:
                 routers["kvtier-predicted-ttft"] = ([url], [predicted])
             try:
                 if predicted is not None:
-                    _wait_router(routers["kvtier-predicted-ttft"][0][0], predicted)
+                    asyncio.run(wait_routers_up(routers["kvtier-predicted-ttft"][0], [predicted]))
                 results = [_run_door(door, stack, routers, work, bench, requests) for door in doors]
             finally:
                 if predicted is not None:
@@ -292,18 +281,6 @@ def run_peers_bench(bench: PeersBench) -> int:
     if bench.json:
         print(json.dumps(report))
     return 0 if all(d["served"] == d["requests"] or d["note"] for d in summaries) else 1
-
-
-def _wait_router(url: str, proc) -> None:
-    from kvtier.testing.processes import wait_http
-
-    async def up() -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession() as session:
-            await wait_http(session, url + "/healthz", [proc], timeout=60)
-
-    asyncio.run(up())
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:

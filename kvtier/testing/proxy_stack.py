@@ -58,7 +58,7 @@ def proxy_stack(work: str, model: str, page_size: int, tokenizer: str, workers: 
                 processes.append(proc)
                 router_procs.append(proc)
                 routers.append(url)
-            asyncio.run(_wait_up(routers, processes))
+            asyncio.run(wait_routers_up(routers, processes))
             yield ProxyStack(urls, routers, sims, router_procs, server.url)
         finally:
             for p in reversed(processes):
@@ -66,7 +66,8 @@ def proxy_stack(work: str, model: str, page_size: int, tokenizer: str, workers: 
             client.close()
 
 
-async def _wait_up(routers: list[str], processes: list[KvtierSubprocess]) -> None:
+async def wait_routers_up(routers: list[str], processes: list[KvtierSubprocess]) -> None:
+    """Until every router answers /healthz, failing at once with its log if one of `processes` exits."""
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
