@@ -204,6 +204,29 @@ def cut_points(text: str, parts: int) -> list[int]:
     return cuts
 
 
+def cuts_are_exact(tokenizer: Any, spec: Mapping[str, Any]) -> bool:
+    """Whether every cut `_CUT` finds in plain text is exact for `tokenizer` (a
+    `tokenizers.Tokenizer`, its tokenizer.json parsed as `spec`): the module's argument holds,
+    and no padding or truncation is turned on."""
+    return why_serial(spec) is None and tokenizer.padding is None and tokenizer.truncation is None
+
+
+def paragraphs(text: str, min_chars: int) -> list[str]:
+    """`text` cut at its exact places (`_CUT`), each part at least `min_chars` long (the last may
+    be shorter): the first place at least `min_chars` past the previous cut, left to right. A cut
+    depends only on the text before it, so two texts sharing a prefix share its parts (all but
+    the one the texts part in), and a text's parts' ids, joined, are its ids."""
+    out: list[str] = []
+    start = 0
+    for found in _CUT.finditer(text, min_chars - 1):
+        cut = found.end()
+        if cut - start >= min_chars:
+            out.append(text[start:cut])
+            start = cut
+    out.append(text[start:])
+    return out
+
+
 class ParallelEncoder:
     """A tokenizer's encoding of plain text, long texts cut into parts encoded in one batch."""
 
@@ -225,7 +248,7 @@ class ParallelEncoder:
         if parts < 2:
             return None
         spec = json.loads(tokenizer_json) if isinstance(tokenizer_json, str) else tokenizer_json
-        if why_serial(spec) is not None or tokenizer.padding is not None or tokenizer.truncation is not None:
+        if not cuts_are_exact(tokenizer, spec):
             return None
         encoder = cls(tokenizer, parts, min_chars)
         found = special_additions(tokenizer)

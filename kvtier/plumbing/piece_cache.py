@@ -32,10 +32,22 @@ import re
 import threading
 from typing import Any
 
-from .parallel_encode import ParallelEncoder, special_additions, whole_ids, why_not_cut_at_added_tokens
+from .parallel_encode import (
+    ParallelEncoder,
+    cuts_are_exact,
+    paragraphs,
+    special_additions,
+    whole_ids,
+    why_not_cut_at_added_tokens,
+)
 
 #: Pieces shorter than this are encoded every time: looking them up costs about as much.
 MIN_CACHED_CHARS = 32
+#: Where plain text can be cut exactly (kvtier/plumbing/parallel_encode.py), a piece is kept in
+#: parts of at least this many characters (about 120 tokens of prose), so prompts that share
+#: their start without added tokens between (a long document, then different questions) find
+#: the shared parts; shorter, and a lookup would cost about what encoding it does.
+MIN_PARAGRAPH_CHARS = 512
 
 
 class _Trie:
@@ -79,8 +91,11 @@ class _Trie:
 class PieceCache:
     def __init__(self, tokenizer: Any, added: dict[str, int], unnormalized: list[str], normalized: list[str],
                  max_bytes: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = (),
-                 special_checked: bool = False, parallel: ParallelEncoder | None = None):
+                 special_checked: bool = False, parallel: ParallelEncoder | None = None,
+                 paragraph_chars: int = 0):
         self._tokenizer = tokenizer
+        #: Plain pieces are kept in parts of at least this many characters; 0: whole.
+        self.paragraph_chars = paragraph_chars
         #: Encodes a batch of new pieces, long ones in parts; None: each piece whole.
         self.parallel = parallel
         self._added = added  # content -> id
@@ -111,7 +126,8 @@ class PieceCache:
         unnormalized = [t["content"] for t in added_tokens if t.get("content") and not t.get("normalized")]
         normalized = [t["content"] for t in added_tokens if t.get("content") and t.get("normalized")]
         cache = cls(tokenizer, added, unnormalized, normalized, max_bytes,
-                    parallel=ParallelEncoder.for_tokenizer(tokenizer, spec, parts))
+                    parallel=ParallelEncoder.for_tokenizer(tokenizer, spec, parts),
+                    paragraph_chars=MIN_PARAGRAPH_CHARS if cuts_are_exact(tokenizer, spec) else 0)
         # What the post-processor adds around a text; one whose additions vary with the text is
         # encoded whole.
         found = special_additions(tokenizer)
@@ -157,6 +173,20 @@ class PieceCache:
         if len(segment) > pos:
             out.append((segment[pos:], False))
 
+    def _parts(self, segment: str) -> list[tuple[str, bool]]:
+        """`segment`'s pieces, each plain one cut further into paragraphs where that is exact."""
+        pieces: list[tuple[str, bool]] = []
+        self._cut_second(segment, pieces)
+        if not self.paragraph_chars:
+            return pieces
+        out: list[tuple[str, bool]] = []
+        for piece, is_added in pieces:
+            if is_added or len(piece) < 2 * self.paragraph_chars:
+                out.append((piece, is_added))
+            else:
+                out.extend((part, False) for part in paragraphs(piece, self.paragraph_chars))
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if add_special_tokens and not self._special_checked:
             return self._whole(text, True)
@@ -189,8 +219,7 @@ class PieceCache:
         cut: dict[str, list[tuple[str, bool]]] = {}
         for segment in segments:
             if segment not in cut:
-                cut[segment] = []
-                self._cut_second(segment, cut[segment])
+                cut[segment] = self._parts(segment)
         found: dict[str, array.array | None] = {}
         new: dict[str, None] = {}
         with self._lock:

@@ -98,3 +98,34 @@ def test_a_tokenizer_that_strips_around_an_added_token_is_encoded_whole(folder, 
     tokenizer = Tokenizer.from_file(str(changed / "tokenizer.json"))
     assert PieceCache.for_tokenizer(tokenizer, (changed / "tokenizer.json").read_text(encoding="utf-8"),
                                     1 << 20) is None
+
+
+#: Lines of plain text: prose, code, unicode, and what a cut must not be fooled by (a newline
+#: before a digit, a space, punctuation, a non-ASCII letter, the Kelvin sign).
+line = st.one_of(st.text(max_size=80), st.sampled_from([
+    "The quick brown fox jumps over the lazy dog.", "def f(x):", "    return x", "12 apples", " indented",
+    "- a list item", "Ünïcødé line", "\u212aelvin", "日本語のテキスト", "", "x" * 300]))
+document = st.lists(line, max_size=40).map("\n".join)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shared=document, first=document, second=document)
+def test_plain_prompts_sharing_their_start_tokenize_as_one_full_encode(tokenizers, shared, first, second):
+    """Plain text is kept in paragraphs (cut after a newline, before an ASCII letter): a prompt
+    whose start another had encodes as one full encode, fresh, from the cache, and with BOS."""
+    cached, plain = tokenizers
+    for text in (shared + "\n" + first, shared + "\n" + second, shared + first):
+        assert cached._encode(text, False) == whole(plain, text, False)
+        assert cached.encode_prompt(text) == whole(plain, text, True)
+
+
+def test_a_long_document_is_encoded_once_for_every_question_after_it(tokenizers):
+    cached, plain = tokenizers
+    document = "\n".join(f"Paragraph {i}: " + "the sky is blue because of scattering. " * 8 for i in range(40))
+    questions = [f"\nQuestion {i}: why is the sky blue at noon? Think it through." for i in range(5)]
+    assert cached.encode_prompt(document + questions[0]) == whole(plain, document + questions[0], True)
+    for question in questions[1:]:
+        before = cached.piece_cache.misses
+        assert cached.encode_prompt(document + question) == whole(plain, document + question, True)
+        # the paragraph the question ends, and nothing of the document before it
+        assert cached.piece_cache.misses - before == 1
