@@ -38,6 +38,8 @@ class FlushReply(msgspec.Struct, kw_only=True):
     """`POST /flush_cache` (every rank) or `/w/<rank>/flush_cache`."""
 
     flushed: list[int]
+    #: The L3 pool was emptied too (asked with `?storage=1`, and the sim-worker has one).
+    storage: bool = False
 
 
 #: `GET /w/<rank>/tiers`: the rank's own view, [[page hash, [tier, ...]], ...] (tiers sorted).

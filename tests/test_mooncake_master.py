@@ -76,3 +76,13 @@ def test_no_namespace_fails_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(NetnsUnavailable, match="apt-get install util-linux"):
         run_pytest_in_private_netns("tests/netns", timeout=30)
+
+
+def test_a_proxy_stack_with_l3_is_refused_outside_a_private_namespace(monkeypatch):
+    from kvtier.testing.proxy_stack import proxy_stack
+
+    monkeypatch.setattr(mooncake, "in_private_netns", lambda: False)
+    with pytest.raises(MissingServerBinary, match="private network namespace") as caught:
+        with proxy_stack("/nonexistent", "m", 64, "", workers=1, replicas=1, l3=True):
+            pass
+    assert "unshare -n" in str(caught.value) and user_facing(caught.value) == str(caught.value)

@@ -126,6 +126,16 @@ def in_private_netns() -> bool:
     return interfaces == {"lo"}
 
 
+def require_private_netns(what: str) -> None:
+    """Refuse (MooncakeUnavailable) to start a master for `what` outside a private network
+    namespace, where its metadata server's 0.0.0.0 listener would face this machine's network."""
+    if not in_private_netns():
+        raise MooncakeUnavailable(
+            f"{what} runs a Mooncake master, whose metadata server (and each writer's transfer engine) "
+            "listens on 0.0.0.0: run it in a private network namespace with only loopback, e.g.\n"
+            "  unshare -n sh -c 'ip link set lo up && exec <the command>'")
+
+
 @dataclass
 class MooncakeMaster(_Server):
     """`mooncake_master` on free ports with the HTTP metadata server enabled. `port` is the RPC
@@ -283,6 +293,16 @@ class SharedPoolWriter:
         if failed:
             raise MooncakeError(f"existence check failed for {len(failed)} keys, e.g. {failed[0]!r}")
         return [answer == 1 for answer in answers]
+
+    def remove_all(self) -> int:
+        """Every object in the pool removed, whoever wrote it (the master's whole pool, not
+        this writer's segment): how many. Forced: the master grants a lease (--default_kv_lease_ttl,
+        10 s in 0.3.13.post1) on every existence query, and an unforced remove_all skips leased
+        objects, so right after traffic it would remove nothing (checked with 0.3.13.post1)."""
+        removed = self._live_store().remove_all(True)
+        if removed < 0:
+            raise MooncakeError(f"remove_all failed with code {removed}")
+        return removed
 
     def close(self) -> None:
         store, self._store = self._store, None

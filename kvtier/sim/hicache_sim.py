@@ -65,6 +65,13 @@ class SharedPool(Protocol):
     def touch(self, digests: list[PageDigest]) -> None:
         """The pages were read (a prefetch): they are recently used."""
 
+    def leading(self, digests: list[PageDigest]) -> int:
+        """How many of `digests`, from the first, the pool holds (up to the first it lacks)."""
+        ...
+
+    def clear(self) -> None:
+        """Every page gone (SGLang's /hicache/storage-backend/clear)."""
+
 
 class InMemorySharedPool:
     """A bounded LRU set of page digests standing in for the cluster-wide Mooncake pool."""
@@ -88,6 +95,15 @@ class InMemorySharedPool:
         for digest in digests:
             if digest in self._pages:
                 self._pages.move_to_end(digest)
+
+    def leading(self, digests: list[PageDigest]) -> int:
+        for i, digest in enumerate(digests):
+            if digest not in self._pages:
+                return i
+        return len(digests)
+
+    def clear(self) -> None:
+        self._pages.clear()
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -319,11 +335,12 @@ class HiCacheSim:
         cfg = self.config
         if not (cfg.l3 and self.shared_pool is not None and cfg.host_pages > 0):
             return 0
-        run = start
+        end = start
         # A node already in the tree here is waiting for its own copy: stop rather than race it.
-        while run < len(digests) and digests[run] not in self._nodes and self.shared_pool.contains(digests[run]):
-            run += 1
-        return run - start
+        while end < len(digests) and digests[end] not in self._nodes:
+            end += 1
+        # One question for the run (a real pool answers it in few round trips, not one per page).
+        return self.shared_pool.leading(digests[start:end]) if end > start else 0
 
     def set_cost(self, cost: CostModel) -> None:
         """From now on this rank computes and loads at `cost` (a worker that slowed down)."""

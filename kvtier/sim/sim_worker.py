@@ -25,16 +25,19 @@ consumes them unchanged. Requests come over HTTP:
         cached tokens in usage.prompt_tokens_details (SGLang's --enable-cache-report)
   POST /advance            {"now": <sim seconds>}  completes due device->host copies
   POST /flush_cache        empties every rank's device and host pools, as SGLang's /flush_cache
-                           does (each rank publishes AllBlocksCleared); /w/<rank>/flush_cache: one rank
+                           does (each rank publishes AllBlocksCleared), and zeroes the served counts;
+                           /w/<rank>/flush_cache: one rank. The L3 pool is kept, as SGLang keeps its
+                           storage backend, unless asked: `?storage=1` empties it too (with a real
+                           Mooncake store: the master's whole pool, every sim-worker's pages) -> FlushReply
+  POST /hicache/storage-backend/clear, [GET|POST] /clear_hicache_storage_backend   SGLang's names:
+        the L3 pool only, emptied (200 "Hierarchical cache storage backend cleared."; 400 without --l3)
   GET  /w/<rank>/tiers     the rank's own view: [[page hash, [tiers...]], ...]
   GET  /batch_query_keys?keys=k1,k2   the ranks' shared L3 pool, answered in the Mooncake
         master's format (a stand-in where no real master runs; keys in SGLang's layout)
-
-With `--l3 --mooncake-rpc HOST:PORT --mooncake-metadata URL` the L3 pool is a real Mooncake
-store instead: pages are written and looked up as SGLang HiCache's Mooncake backend names them,
-and a router asks the master itself.
-  GET  /healthz             ranks, the simulated clock, and the prompt tokens served and found
-                           cached by tier since start or the last whole /flush_cache
+  GET  /healthz             ranks, the simulated clock, the pages in the L3 pool (a Mooncake store:
+                           those these ranks wrote since start or the last storage flush), and the
+                           prompt tokens served and found cached by tier since start or the last
+                           whole /flush_cache
   GET  /metrics, /w/<rank>/metrics   SGLang's sglang:num_queue_reqs and sglang:num_running_reqs, per
         rank (label dp_rank), at the current simulated time
   GET  /health, /w/<rank>/health   200 while serving, as SGLang's /health: what `kvtier bridge`
@@ -42,6 +45,12 @@ and a router asks the master itself.
   GET  [/w/<rank>]/v1/models, /server_info, /get_server_info, /model_info, /get_model_info,
        /version, /health_generate, /v1/loads   as SGLang 0.5.x answers them, so SGLang's own
         gateway (`smg`) admits each rank as an SGLang worker (kvtier/sim/sglang_api.py)
+
+`--l3` alone gives this process's ranks an in-memory pool of their own (another sim-worker
+process has another). With `--l3 --mooncake-rpc HOST:PORT --mooncake-metadata URL` the L3 pool
+is a real Mooncake store instead (kvtier/sim/mooncake_pool.py), one for every sim-worker given
+that master: pages are written and looked up as SGLang HiCache's Mooncake backend names them,
+and a router asks the master itself.
 
 Every body is a schemas/ type: the sim-worker's own in schemas/sim.py, those it shares with
 SGLang and Mooncake in schemas/sglang_server.py and schemas/mooncake.py.
@@ -92,6 +101,7 @@ from kvtier.schemas.sim import (
     SimHealth,
 )
 from kvtier.sim.hicache_sim import HiCacheSim, InMemorySharedPool, SharedPool, SimConfig
+from kvtier.sim.mooncake_pool import MooncakeStorePool
 from kvtier.sim.sglang_api import SglangApi
 from kvtier.sim.sglang_publisher import SglangEventPublisher
 
@@ -152,43 +162,6 @@ def _digest_of_key(key: str) -> PageDigest | None:
             except ValueError:
                 return None
     return None
-
-
-class MooncakeStorePool:
-    """The ranks' L3 in a real Mooncake store: every page is written as the objects SGLang
-    HiCache's Mooncake backend writes (MHA, TP 1: "<digest hex>_0_k" and "_0_v"), and a page
-    is in the pool only if all of them exist there."""
-
-    def __init__(self, rpc_address: str, metadata_url: str):
-        from kvtier.harness.mooncake import SharedPoolWriter
-        from kvtier.schemas.worker import MooncakeLayout
-
-        self.layout = MooncakeLayout()
-        self.writer = SharedPoolWriter(rpc_address, metadata_url)
-        self._written = 0
-
-    def _keys(self, digest: PageDigest) -> list[str]:
-        from kvtier.schemas.mooncake import mooncake_object_keys
-
-        return mooncake_object_keys(digest, self.layout)
-
-    def put(self, digests: list[PageDigest]) -> None:
-        keys = [k for d in digests for k in self._keys(d)]
-        if keys:
-            self.writer.put_many(keys, b"\0" * 64)
-            self._written += len(digests)
-
-    def contains(self, digest: PageDigest) -> bool:
-        return all(self.writer.exists(self._keys(digest)))
-
-    def touch(self, digests: list[PageDigest]) -> None:
-        pass  # the master keeps its own account of reads
-
-    def __len__(self) -> int:
-        return self._written  # pages written by these ranks (the master may have evicted some)
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 _json = msgspec.json.Encoder()
@@ -387,6 +360,7 @@ class SimWorkers:
         return json_response(AdvanceReply(now=self._now))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        storage = request.query.get("storage", "0").lower() not in ("", "0", "false", "no")
         ranks: Sequence[int] = range(len(self.sims))
         if "rank" in request.match_info:
             rank = int(request.match_info["rank"])
@@ -399,7 +373,17 @@ class SimWorkers:
                 self._flush(rank)
             if len(ranks) == len(self.sims):
                 self.served = ServedTokens()
-        return json_response(FlushReply(flushed=list(ranks)))
+            if storage and self.pool is not None:
+                self.pool.clear()
+        return json_response(FlushReply(flushed=list(ranks), storage=storage and self.pool is not None))
+
+    async def clear_storage(self, request: web.Request) -> web.Response:
+        """SGLang's /hicache/storage-backend/clear: the L3 pool emptied, the ranks' own pools kept."""
+        if self.pool is None:
+            return web.Response(text="Hierarchical cache storage backend is not enabled (no --l3).\n", status=400)
+        async with self._lock:
+            self.pool.clear()
+        return web.Response(text="Hierarchical cache storage backend cleared.\n")
 
     async def tiers(self, request: web.Request) -> web.Response:
         rank = int(request.match_info["rank"])
@@ -440,6 +424,9 @@ class SimWorkers:
         app.router.add_post("/advance", self.advance)
         app.router.add_post("/flush_cache", self.flush_cache)
         app.router.add_post("/w/{rank}/flush_cache", self.flush_cache)
+        app.router.add_post("/hicache/storage-backend/clear", self.clear_storage)
+        app.router.add_get("/clear_hicache_storage_backend", self.clear_storage)  # SGLang's older name
+        app.router.add_post("/clear_hicache_storage_backend", self.clear_storage)
         app.router.add_get("/batch_query_keys", self.batch_query_keys)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
