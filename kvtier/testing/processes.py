@@ -23,17 +23,18 @@ QUIET = ("--log-level", "WARNING")
 class KvtierSubprocess:
     """A kvtier subcommand in its own process, output to a log file, stopped by PID. `module`:
     the module run (`python -m`), kvtier's command line unless told; `log_dir` None: a log file
-    of its own in the temporary folder; `prefix`: a command that runs it (`prlimit ...`)."""
+    of its own in the temporary folder; `prefix`: a command that runs it (`prlimit ...`); `python`:
+    the interpreter, this one unless told (a peer's own venv)."""
 
     def __init__(self, args: Sequence[str], log_dir: str | None, name: str, module: str = "kvtier.cli",
-                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()):
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = (), python: str | None = None):
         if log_dir is None:
             handle, self.log_path = tempfile.mkstemp(prefix=f"kvtier-{name}-", suffix=".log")
             os.close(handle)
         else:
             self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "wb")
-        self.args = [*prefix, sys.executable, "-m", module, *args]
+        self.args = [*prefix, python or sys.executable, "-m", module, *args]
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **env} if env else None, start_new_session=True)
         self.name = name
@@ -159,13 +160,14 @@ def start_router(log_dir: str, name: str, redis_url: str, flags: Iterable[str] =
     return proc, f"http://127.0.0.1:{port}"
 
 
-def start_bare_http(log_dir: str) -> tuple[KvtierSubprocess, str]:
-    """kvtier/testing/bare_http.py's server (the router's bodies, no routing) on a free port:
-    the process and its base URL."""
+def start_bare_http(log_dir: str, upstreams: Iterable[str] = ()) -> tuple[KvtierSubprocess, str]:
+    """kvtier/testing/bare_http.py's server (the router's bodies, no routing; with `upstreams`,
+    a bare relay to them in turn) on a free port: the process and its base URL."""
     from kvtier.harness.embedded import free_port
 
     port = free_port()
-    proc = KvtierSubprocess(["--port", str(port)], log_dir, "bare_http", module="kvtier.testing.bare_http")
+    relayed = [flag for url in upstreams for flag in ("--upstream", url)]
+    proc = KvtierSubprocess(["--port", str(port), *relayed], log_dir, "bare_http", module="kvtier.testing.bare_http")
     return proc, f"http://127.0.0.1:{port}"
 
 
