@@ -23,7 +23,8 @@ consumes them unchanged. Requests come over HTTP:
         a router reads (kvtier/plumbing/tokenizer.py), served like /generate, answered in
         OpenAI's format (streamed as server-sent events with "stream": true), the prompt's
         cached tokens in usage.prompt_tokens_details (SGLang's --enable-cache-report)
-  POST /advance            {"now": <sim seconds>}  completes due device->host copies
+  POST /advance            {"now": <sim seconds>}  completes due device->host copies (and their
+                           writes to a Mooncake L3 store, which otherwise run behind the requests)
   POST /flush_cache        empties every rank's device and host pools, as SGLang's /flush_cache
                            does (each rank publishes AllBlocksCleared), and zeroes the served counts;
                            /w/<rank>/flush_cache: one rank. The L3 pool is kept, as SGLang keeps its
@@ -357,6 +358,9 @@ class SimWorkers:
             for rank, sim in enumerate(self.sims):
                 sim.advance(self._now)
                 self._flush(rank)
+        settled = getattr(self.pool, "settled", None)
+        if settled is not None:  # a store written behind the requests: what landed is in it on reply
+            await asyncio.get_running_loop().run_in_executor(None, settled)
         return json_response(AdvanceReply(now=self._now))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
