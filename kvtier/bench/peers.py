@@ -148,11 +148,22 @@ def run_peers_bench(bench: PeersBench) -> int:
     report: dict[str, Any] = {
         "trace": bench.trace, "requests": len(requests), "workers": bench.workers, "time_scale": bench.time_scale,
         "block_tokens": bench.block_tokens, "front_doors": summaries, "l3": l3, "l3_note": l3_note,
-        "ramps": ramps, "dynamo": dynamo, "targets": targets(summaries, l3, ramps)}
+        "ramps": ramps, "dynamo": dynamo, "kvtier_vs_direct": _added(summaries, "kvtier"),
+        "targets": targets(summaries, l3, ramps)}
     _print(report)
     if bench.json:
         print(json.dumps(report))
     return 0 if all(d["served"] == d["requests"] or d["note"] for d in summaries + l3) else 1
+
+
+def _added(doors: list[dict[str, Any]], door: str) -> dict[str, Any] | None:
+    """What `door` adds to the client straight to the workers (Dynamo's side reads the same)."""
+    rows = {d["front_door"]: d for d in doors}
+    if door not in rows or "direct" not in rows:
+        return None
+    mine, direct = rows[door], rows["direct"]
+    return {**{f"added_{k}": mine[k] - direct[k] if mine[k] is not None and direct[k] is not None else None
+               for k in ("ttft_p50_ms", "ttft_p99_ms")}, "cpu_ms_per_request": mine["cpu_ms_per_request"]}
 
 
 def targets(doors: list[dict[str, Any]], l3: list[dict[str, Any]], ramps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -222,4 +233,8 @@ def _print(report: dict[str, Any]) -> None:
                   f"{_fmt(d['ttft_p50_ms'])} / {_fmt(d['ttft_p99_ms'])} ms: adds {_fmt(dynamo['added_ttft_p50_ms'])} / "
                   f"{_fmt(dynamo['added_ttft_p99_ms'])} ms; CPU {_fmt(f['cpu_ms_per_request'], '.2f')} ms/request, "
                   f"RSS {_fmt(f['rss_mb'], '.0f')} MB")
+            if (mine := report["kvtier_vs_direct"]) is not None:
+                print(f"  kvtier over sim-workers, the same requests: adds {_fmt(mine['added_ttft_p50_ms'])} / "
+                      f"{_fmt(mine['added_ttft_p99_ms'])} ms to direct; CPU {_fmt(mine['cpu_ms_per_request'], '.2f')} "
+                      f"ms/request (both sides' added TTFT includes what their routers find cached)")
     print("Targets: " + ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in report["targets"].items()))
