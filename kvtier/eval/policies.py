@@ -52,6 +52,13 @@ POLICIES = ("random", "round_robin", "least_load", "device_only", "tier_aware", 
 #: Policies a replay runs when asked by name (`--policies`): kvtier's formula overridden for
 #: workers faster at learned rates (`--router-mode predicted-ttft`; through the pipeline or in process).
 NAMED_POLICIES = ("predicted_ttft",)
+#: The formula with its ties broken by other random draws (the routers' draws from seed +
+#: REDRAW_SEED_OFFSET), always in process: not a policy to deploy but the yardstick of how far
+#: the formula moves from itself when nothing but its tie-breaks change (one changed decision
+#: changes every cache after it). A policy's ratio to tier_aware inside that band says nothing.
+REDRAWN = "tier_aware_redrawn"
+REDRAW_SEED_OFFSET = 7919
+REFERENCE_POLICIES = (REDRAWN,)
 #: The policies that decide on the simulator's ground truth (no router could run them).
 ORACLES = ("oracle", "ttft_oracle")
 KVTIER_POLICIES = ("least_load", "device_only", "tier_aware", "tier_aware_shared")

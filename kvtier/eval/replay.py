@@ -47,6 +47,9 @@ from kvtier.eval.policies import (
     NAMED_POLICIES,
     ORACLES,
     POLICIES,
+    REDRAW_SEED_OFFSET,
+    REDRAWN,
+    REFERENCE_POLICIES,
     OraclePolicy,
     PredictedTtftModel,
     RandomPolicy,
@@ -84,9 +87,10 @@ class ReplaySettings:
     predicted_pages: bool = False
 
     def __post_init__(self) -> None:
-        unknown = set(self.policies) - set(POLICIES) - set(NAMED_POLICIES)
+        known = POLICIES + NAMED_POLICIES + REFERENCE_POLICIES
+        unknown = set(self.policies) - set(known)
         if unknown:
-            raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES + NAMED_POLICIES)}")
+            raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(known)}")
         if "tier_aware_shared" in self.policies and not self.shape.l3:
             self.policies = tuple(p for p in self.policies if p != "tier_aware_shared")
         if self.via not in ("pipeline", "model"):
@@ -112,6 +116,9 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         return OraclePolicy(settings.weights, shape.l3, seed)
     if name == "ttft_oracle":
         return TtftOraclePolicy()
+    if name == REDRAWN:
+        return RouterModel(name, shape.workers, shape.page_size, settings.weights, False, settings.visibility_lag_s,
+                           seed + REDRAW_SEED_OFFSET, predicted=settings.predicted_pages)
     if name == "predicted_ttft" and settings.via == "model":
         # the pool credited as tier_aware credits it (not at all): the two differ only in the override
         weights, shared = policy_weights(name, settings.weights)

@@ -94,7 +94,8 @@ class ReplayBench:
         "", flag="--policies",
         help="Comma-separated subset of: random, round_robin, least_load, device_only, tier_aware, "
              "tier_aware_shared, oracle, ttft_oracle; and predicted_ttft (the router model that moves requests "
-             "to workers faster at learned rates, in process), which runs only when named.")
+             "to workers faster at learned rates, in process) and tier_aware_redrawn (the formula with its ties "
+             "broken by other random draws: how far it moves from itself), which run only when named.")
     via: str = text_choice(
         "pipeline", choices=("pipeline", "model"), flag="--via",
         help="kvtier's policies through the real pipeline (bridge, JetStream, processor, Redis, two routers) or "

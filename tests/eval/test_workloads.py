@@ -86,7 +86,7 @@ def test_an_unknown_workload_is_named_with_the_choices():
 def test_the_suite_prints_one_table_of_ratios_to_tier_aware(capsys):
     args = build_parser().parse_args(["bench", "replay", "--suite", "--workloads", "shared_prompts", "--requests",
                                       "120", "--seeds", "1", "--workers", "4", "--policies",
-                                      "tier_aware,round_robin,oracle,predicted_ttft", "--json"])
+                                      "tier_aware,round_robin,oracle,predicted_ttft,tier_aware_redrawn", "--json"])
     assert run_suite_bench(read_settings(ReplayBench, args)) == 0
     out = capsys.readouterr().out.splitlines()
     rows = json.loads(out[-1])["suite"]
@@ -100,5 +100,11 @@ def test_the_suite_prints_one_table_of_ratios_to_tier_aware(capsys):
     assert rows[1]["policies"]["tier_aware"]["requests"] == 120
     # how far predicted_ttft's first tokens came from its predictions, beside its ratios
     assert all(0 < row["prediction"]["mape"] < 5 for row in rows), [row["prediction"] for row in rows]
+    # the noise band (the formula with other tie-break draws) and predicted_ttft judged against it
+    for row in rows:
+        moved = row["policies"]["tier_aware_redrawn"]["ttft_p99_ms"] / row["tier_aware"]["ttft_p99_ms"]
+        assert row["noise"]["ttft_p99_ms"] == round(abs(moved - 1), 3)
+        assert set(row["judged"].values()) <= {"same", "worse", "better"}
     table = "\n".join(out[:-1])
     assert "shared_prompts  equal" in table and "round_robin (x)" in table and "predicted MAPE/bias" in table
+    assert "noise band" in table and "judged" in table
