@@ -116,15 +116,12 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         return OraclePolicy(settings.weights, shape.l3, seed)
     if name == "ttft_oracle":
         return TtftOraclePolicy()
-    if name == REDRAWN:
-        return RouterModel(name, shape.workers, shape.page_size, settings.weights, False, settings.visibility_lag_s,
-                           seed + REDRAW_SEED_OFFSET, predicted=settings.predicted_pages)
     if name == "predicted_ttft" and settings.via == "model":
         # the pool credited as tier_aware credits it (not at all): the two differ only in the override
         weights, shared = policy_weights(name, settings.weights)
         return PredictedTtftModel(name, shape.workers, shape.page_size, weights, shared,
                                   settings.visibility_lag_s, seed, predicted=settings.predicted_pages)
-    if settings.via == "pipeline":
+    if settings.via == "pipeline" and name != REDRAWN:  # the yardstick runs in process
         from kvtier.eval.pipeline import PipelinePolicy
 
         weights, shared = policy_weights(name, settings.weights)
@@ -137,7 +134,8 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         return PipelinePolicy(name, stack, shape.workers, shape.page_size, settings.visibility_lag_s, seed,
                               router_args=router_args, overrides=overrides, shared=shared)
     weights, shared = policy_weights(name, settings.weights)
-    return RouterModel(name, shape.workers, shape.page_size, weights, shared, settings.visibility_lag_s, seed,
+    draws = seed + REDRAW_SEED_OFFSET if name == REDRAWN else seed
+    return RouterModel(name, shape.workers, shape.page_size, weights, shared, settings.visibility_lag_s, draws,
                        predicted=settings.predicted_pages)
 
 

@@ -6,8 +6,9 @@ not lose to. The oracle, the TTFT oracle and round robin stand beside every row,
 can be read against the best and the plainest answer.
 
 Beside them, the noise: tier_aware_redrawn is the same formula with its ties broken by other
-random draws, and on these workloads that alone moves TTFT p50 by up to about 5% and p99 by
-up to about 14% on a seed (one changed decision changes every cache after it). Each row's
+random draws, and on the suite's mixed-speed clusters that alone moves TTFT p50 by 2-20% and
+p99 by 7-30% on a seed (one changed decision changes every cache after it;
+docs/benchmarks/replay.md). Each row's
 band is the largest such move over its seeds, per figure; a policy's median ratio is judged
 "worse" or "better" only beyond it, and "same" inside it.
 """
