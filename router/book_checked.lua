@@ -18,7 +18,7 @@
 --       zset's size and 10 the stale set's size when the replica read them, 11 the marker id
 --       it read, 12 book (1|0), 13 session ttl (ms; 0: no session), 14 1 when the choice
 --       leaves the session's worker on purpose (it is not a candidate), else 0, 15 the work
---       the decision predicts its first token waits for ("compute host-load L3-load" tokens,
+--       the decision predicts its first token waits for ("compute host-load L3-load queued" tokens,
 --       kept in the booking for release.lua to learn from; "": none), 16 1 when the loads'
 --       answer carries the rates too (a replica that prices by them), else 0, 17 the digest
 --       of the booking's owner secret, which a client's release must give (release.lua; "":

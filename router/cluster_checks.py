@@ -36,7 +36,8 @@ class ClusterChecks:
                                {(model,): len(workers) for model, workers in self.partial_workers.items()})
         metrics.replace_series(metrics.worker_rate, {
             (r.model, r.worker_id, kind): value for r in self.worker_rates
-            for kind, value in (("compute", r.compute), ("host_load", r.host_load), ("l3_load", r.l3_load))})
+            for kind, value in (("compute", r.compute), ("host_load", r.host_load), ("l3_load", r.l3_load),
+                                ("queued", r.queued))})
         metrics.replace_series(metrics.worker_rate_samples,
                                {(r.model, r.worker_id): r.samples for r in self.worker_rates})
         compared = [r for r in self.worker_rates if r.ttft_compared]

@@ -110,7 +110,7 @@ class RouterMetrics:
                                      multiprocess_mode="livemax", registry=r)
 
         self.worker_rate = Gauge("router_worker_rate",
-                                 "Each worker's learned rate per kind of work (compute, host_load, l3_load): a "
+                                 "Each worker's learned rate per kind of work (compute, host_load, l3_load, queued): a "
                                  "multiplier on the prior's seconds per token (2 = twice as slow), learned from "
                                  "its first tokens", ["model", "worker", "kind"], multiprocess_mode="livemax",
                                  registry=r)

@@ -3,9 +3,9 @@ pure functions (no I/O, no clock), the spec the Redis twin (learn_rates.lua) is 
 against.
 
 Learning. A decision predicts the work a first token waits for on its worker: tokens to
-compute (the request's recompute plus the prefill booked ahead of it), host pages to load
-back, shared-pool pages to fetch. When the first token comes, the router knows how long it
-took. `observe` fits first-token seconds = sum(tokens x prior seconds per token x multiplier)
+compute (the request's recompute), host pages to load back, shared-pool pages to fetch, and
+the prefill booked ahead of it (schemas/rates.py WORK_KINDS). When the first token comes, the
+router knows how long it took. `observe` fits first-token seconds = sum(tokens x prior seconds per token x multiplier)
 per worker by recursive least squares:
 - forgetting (each old sample weighs `forgetting` times less per new one), so a worker that
   slows down is seen within tens of requests;
@@ -22,9 +22,11 @@ Choosing. `faster_than_formula` (--router-mode predicted-ttft) keeps the formula
 unless every candidate's fit is trusted and another candidate, clearly faster at compute by
 its learned rates, is predicted to give the first token sooner by a wide margin without
 recomputing what the formula's worker holds or taking more decode load than it (FasterPick).
-What it prices is what delays a first token: the prefill queued ahead at the worker's compute
+What it prices is what delays a first token: the prefill queued ahead at the worker's queued
 rate, its recompute, load-back and pool fetch at its learned rates; not decode, which the
-formula weighs for TPOT. Only a worker faster beyond both fits' errors may take a request:
+formula weighs for TPOT. The margin must hold with the queues at their compute rates too
+(pages still to compute, the most a queue can cost), so a queue learned cheap on little
+evidence does not move a request by itself. Only a worker faster beyond both fits' errors may take a request:
 where the workers are equal (learned within FasterPick.faster_by and their fits' errors of
 each other) every decision is the formula's, by construction; the replay suite
 (kvtier/eval/suite.py) measures what it gains where they are not.
@@ -39,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.schemas.rates import PredictionError, RateFit, RatePrior
+from kvtier.schemas.rates import KINDS, PredictionError, RateFit, RatePrior
 from kvtier.schemas.routing import ScoringWeights, TierOverlap
 
 from . import scoring
@@ -72,7 +74,7 @@ class FitSettings:
     def first_fit(self) -> RateFit:
         """A worker's fit before its first sample: the prior's rates, unsure by one."""
         rho = self.kinds_correlated
-        return RateFit(covariance=(1.0, rho, rho, rho, 1.0, rho, rho, rho, 1.0))
+        return RateFit(covariance=tuple(1.0 if i == j else rho for i in range(KINDS) for j in range(KINDS)))
 
 
 @dataclass(frozen=True)
@@ -125,38 +127,49 @@ def fit_arguments(prior: RatePrior, settings: FitSettings) -> list[str]:
 
 @dataclass(frozen=True)
 class Work:
-    """What a decision predicted its first token waits for, in tokens."""
+    """What a decision predicted its first token waits for, in tokens of each kind
+    (schemas/rates.py WORK_KINDS)."""
 
     compute_tokens: float
     host_tokens: float
     l3_tokens: float
+    #: The prefill booked ahead of it on its worker (pages x page size).
+    queued_tokens: float = 0.0
 
     def text(self) -> str:
-        """As a booking keeps it for release.lua: the three token counts, each written to read
+        """As a booking keeps it for release.lua: the four token counts, each written to read
         back exactly."""
-        return f"{self.compute_tokens:.17g} {self.host_tokens:.17g} {self.l3_tokens:.17g}"
+        return f"{self.compute_tokens:.17g} {self.host_tokens:.17g} {self.l3_tokens:.17g} {self.queued_tokens:.17g}"
 
-    def nominal_s(self, prior: RatePrior) -> tuple[float, float, float]:
+    def nominal_s(self, prior: RatePrior) -> tuple[float, float, float, float]:
         """Each kind's seconds at the prior's rates (the fit's regressors)."""
-        p, h, l3 = prior.seconds_per_token()
-        return (self.compute_tokens * p, self.host_tokens * h, self.l3_tokens * l3)
+        p, h, l3, q = prior.seconds_per_token()
+        return (self.compute_tokens * p, self.host_tokens * h, self.l3_tokens * l3, self.queued_tokens * q)
 
 
 def predicted_work(n_tokens: int, overlap: TierOverlap, prefill_load: int, page_size: int) -> Work:
     """The work a decision predicts its first token waits for on the worker it chose: the
-    request's tokens past its device, predicted, host and pool pages (recomputed), plus the
-    prefill booked ahead of it (`prefill_load` pages), host pages to load back, pool pages to
-    fetch."""
+    request's tokens past its device, predicted, host and pool pages (recomputed), host pages
+    to load back, pool pages to fetch, and the prefill booked ahead of it (`prefill_load`
+    pages)."""
     cached = overlap.device + overlap.predicted
     host = overlap.host
     pool = max(overlap.shared_beyond - host, 0)
     recompute = max(n_tokens - (cached + host + pool) * page_size, 0)
-    return Work(compute_tokens=recompute + prefill_load * page_size, host_tokens=host * page_size,
-                l3_tokens=pool * page_size)
+    return Work(compute_tokens=recompute, host_tokens=host * page_size, l3_tokens=pool * page_size,
+                queued_tokens=prefill_load * page_size)
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    """Left to right from 0, as learn_rates.lua adds (the same doubles both sides)."""
+    total = 0.0
+    for u, v in zip(a, b):
+        total += u * v
+    return total
 
 
 def predict_s(fit: RateFit, prior: RatePrior, work: Work) -> float:
-    return sum(m * x for m, x in zip(fit.multipliers, work.nominal_s(prior)))
+    return _dot(fit.multipliers, work.nominal_s(prior))
 
 
 def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings: FitSettings = FitSettings(),
@@ -173,7 +186,7 @@ def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings:
         return fit
     ttft_s = max(ttft_s, settings.first_token_floor_s)
     theta, p = fit.multipliers, fit.covariance
-    predicted = sum(m * v for m, v in zip(theta, nominal))  # > 0: multipliers are bounded above 0
+    predicted = _dot(theta, nominal)  # > 0: multipliers are bounded above 0
     x = [v / predicted for v in nominal]
     error = ttft_s / predicted - 1.0
     streak = 0
@@ -186,20 +199,22 @@ def observe(fit: RateFit, prior: RatePrior, work: Work, ttft_s: float, settings:
                 error = min(max(error, -bound), bound)
             elif abs(streak) == settings.change_after:
                 p = settings.first_fit().covariance  # the worker changed: as unsure as at the start
-    px = [p[3 * i] * x[0] + p[3 * i + 1] * x[1] + p[3 * i + 2] * x[2] for i in range(3)]
-    denominator = settings.forgetting + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+    # sums left to right from 0, as learn_rates.lua adds them, so both give the same doubles
+    px = [_dot(p[KINDS * i:KINDS * (i + 1)], x) for i in range(KINDS)]
+    denominator = settings.forgetting + _dot(x, px)
     gain = [v / denominator for v in px]
     low, high = settings.bounds
-    moved = [theta[i] + gain[i] * error for i in range(3)]
+    moved = [theta[i] + gain[i] * error for i in range(KINDS)]
     if max_step > 0:
         moved = [min(max(m, theta[i] * (1 - max_step)), theta[i] * (1 + max_step)) for i, m in enumerate(moved)]
-    multipliers = tuple(min(max(m, low), high) for m in moved)
-    covariance = [(p[3 * i + j] - gain[i] * px[j]) / settings.forgetting for i in range(3) for j in range(3)]
-    trace = covariance[0] + covariance[4] + covariance[8]
+    m = [min(max(v, low), high) for v in moved]
+    covariance = [(p[KINDS * i + j] - gain[i] * px[j]) / settings.forgetting for i in range(KINDS)
+                  for j in range(KINDS)]
+    trace = _dot(covariance[::KINDS + 1], [1.0] * KINDS)
     if trace > settings.max_uncertainty:
         covariance = [c * settings.max_uncertainty / trace for c in covariance]
     memory = max(settings.error_memory, 1.0 / (fit.samples + 1))  # the mean of the first ones, then recent
-    return RateFit(multipliers=(multipliers[0], multipliers[1], multipliers[2]), covariance=tuple(covariance),
+    return RateFit(multipliers=(m[0], m[1], m[2], m[3]), covariance=tuple(covariance),
                    relative_error=(1 - memory) * fit.relative_error + memory * abs(error), samples=fit.samples + 1,
                    streak=streak)
 
@@ -284,9 +299,10 @@ FASTER_PICK = FasterPick()
 class TtftColumns:
     """Each candidate's predicted first-token time, in two parts (seconds): its own work with
     nothing queued ahead (recompute, host load-back, pool fetch at its rates), and what each
-    prefill page booked ahead of it adds (its compute rate); and its compute seconds per
-    token with the fit's mean relative error (`spread`), which say which workers are clearly
-    faster. A column per candidate, so the Redis twin
+    prefill page booked ahead of it adds (its queued rate, and the same page at its compute
+    rate: `queue_at_compute_s_per_page`, what the queue would cost if none of it were loads
+    or partly done); and its compute seconds per token with the fit's mean relative error
+    (`spread`), which say which workers are clearly faster. A column per candidate, so the Redis twin
     (select_and_book.lua) adds its live loads the same way. A candidate whose fit is not
     trusted (FasterPick.trusted) has zeros, and no override is made among candidates that
     include it."""
@@ -296,6 +312,7 @@ class TtftColumns:
     compute_s_per_token: list[float]
     spread: list[float]
     trusted: list[bool]
+    queue_at_compute_s_per_page: list[float]
 
     def predicted_ms(self, i: int, prefill_pages: int) -> float | None:
         """Candidate `i`'s first token with `prefill_pages` booked ahead of it, in ms (None:
@@ -305,22 +322,24 @@ class TtftColumns:
         return 1000 * (self.service_s[i] + prefill_pages * self.queue_s_per_page[i])
 
     def text(self) -> str:
-        """As select_and_book.lua takes them: "service queue compute spread" per candidate,
-        comma-separated, each float written to read back exactly; "" (no override) unless
-        every one is trusted."""
+        """As select_and_book.lua takes them: "service queue compute spread queue-at-compute"
+        per candidate, comma-separated, each float written to read back exactly; "" (no
+        override) unless every one is trusted."""
         if not all(self.trusted):
             return ""
-        return ",".join(f"{s!r} {q!r} {c!r} {e!r}" for s, q, c, e in
-                        zip(self.service_s, self.queue_s_per_page, self.compute_s_per_token, self.spread))
+        return ",".join(f"{s!r} {q!r} {c!r} {e!r} {a!r}" for s, q, c, e, a in
+                        zip(self.service_s, self.queue_s_per_page, self.compute_s_per_token, self.spread,
+                            self.queue_at_compute_s_per_page))
 
 
 def ttft_columns(n_tokens: int, overlaps: Sequence[TierOverlap], page_sizes: Sequence[int],
                  fits: Sequence[RateFit | None], prior: RatePrior, pick: FasterPick = FASTER_PICK) -> TtftColumns:
     """The candidates' TtftColumns at their fits."""
     per_token = prior.seconds_per_token()[0]
-    service, queue, compute, spread, trusted = [], [], [], [], []
+    service, queue, compute, spread, trusted, at_compute = [], [], [], [], [], []
     for overlap, size, fit in zip(overlaps, page_sizes, fits):
         if fit is None or not pick.trusted(fit):
+            at_compute.append(0.0)
             service.append(0.0)
             queue.append(0.0)
             compute.append(0.0)
@@ -328,11 +347,12 @@ def ttft_columns(n_tokens: int, overlaps: Sequence[TierOverlap], page_sizes: Seq
             trusted.append(False)
             continue
         service.append(predict_s(fit, prior, predicted_work(n_tokens, overlap, 0, size)))
-        queue.append(fit.multipliers[0] * (size * per_token))
+        queue.append(fit.multipliers[3] * (size * per_token))
+        at_compute.append(fit.multipliers[0] * (size * per_token))
         compute.append(fit.multipliers[0] * per_token)
         spread.append(fit.relative_error)
         trusted.append(True)
-    return TtftColumns(service, queue, compute, spread, trusted)
+    return TtftColumns(service, queue, compute, spread, trusted, at_compute)
 
 
 def faster_than_formula(formula: int, pool: Sequence[int], columns: TtftColumns | None, prefill: Sequence[int],
@@ -345,7 +365,14 @@ def faster_than_formula(formula: int, pool: Sequence[int], columns: TtftColumns 
     holds) and its decode load is no more (the formula weighs decode for TPOT). The qualified
     candidate with the least predicted first token (service + prefill booked ahead x queue
     seconds per page; ties: the lowest index) replaces `formula` when it is predicted sooner
-    by more than `pick.margin`; when any candidate of `pool` is not trusted, `formula` stands.
+    by more than `pick.margin`, both with the queues at their learned queued rates and with
+    them at their compute rates (a queue of pages still to compute, the most it can cost):
+    where the two prices disagree, the queue's cost is unsure, and `formula` stands; when
+    any candidate of `pool` is not trusted, `formula` stands.
+
+    Without the second price, the suite's held-out conversation workload on half-speed
+    workers came out 1.029x tier_aware at TTFT p50 and 1.042x at TPOT p99, beyond its
+    noise band (docs/benchmarks/replay.md).
 
     With a looser decode bound (up to the busiest candidate's load less the request's), the
     suite's agentic workload on half-speed workers lost 3% at TTFT p50 in each of its seeds."""
@@ -364,7 +391,12 @@ def faster_than_formula(formula: int, pool: Sequence[int], columns: TtftColumns 
             ttft_s = service[i] + prefill[i] * queue[i]
             if ttft_s < best_s:  # ties: the lowest index (the formula's own ttft never passes the margin)
                 best, best_s = i, ttft_s
-    return best if best_s < limit else formula
+    if not best_s < limit:
+        return formula
+    at_compute = columns.queue_at_compute_s_per_page
+    sure = service[best] + prefill[best] * at_compute[best] < (1.0 - margin) * (
+        service[formula] + prefill[formula] * at_compute[formula])
+    return best if sure else formula
 
 
 def formula_then_faster(n_pages: int, inputs: Sequence[scoring.CandidateInputs], weights: ScoringWeights, u: float,

@@ -19,11 +19,11 @@
 --       worker's pages past it are predicted there (one more booking holding each) until the
 --       booking completes or expires; 17 each worker's predicted first token at its learned
 --       rates ("service-seconds queue-seconds-per-prefill-page compute-seconds-per-token
---       fit-relative-error", comma-separated), or "" for the formula's choice: with them, a
---       clearly faster worker replaces it (router/rates.py `faster_than_formula`);
---       18 each worker's predicted work ("recompute host-load L3-load page-size", comma-
---       separated): the chosen one's, with its booked prefill ahead added to the compute, is
---       kept in the booking for release.lua to learn from ("": none), 19 the digest of the
+--       fit-relative-error queue-seconds-per-page-at-compute", comma-separated), or "" for
+--       the formula's choice: with them, a clearly faster worker replaces it (router/rates.py `faster_than_formula`);
+--       18 each worker's predicted work ("recompute host-load L3-load queued page-size",
+--       comma-separated): the chosen one's, with its booked prefill ahead added to the queued
+--       tokens (schemas/rates.py WORK_KINDS), is kept in the booking for release.lua to learn from ("": none), 19 the digest of the
 --       booking's owner secret, which a client's release must give (release.lua; "": none),
 --       20 the override's margin, 21 how much faster its worker must compute (FasterPick)
 -- Returns {chosen index (1-based) | -1 when the request id is already booked,
@@ -85,11 +85,11 @@ if selection == 'score' and (ARGV[17] or '') ~= '' then
   -- rates.faster_than_formula: a worker faster at compute than the formula's beyond both
   -- fits' errors, whose own work is no slower and decode load no more, and whose first token
   -- (its work plus the prefill queued ahead) is sooner by more than the margin
-  local service, queue, compute, spread = {}, {}, {}, {}
+  local service, queue, compute, spread, at_compute = {}, {}, {}, {}, {}
   for column in string.gmatch(ARGV[17], '[^,]+') do
-    local s, q, c, e = string.match(column, '(%S+) (%S+) (%S+) (%S+)')
+    local s, q, c, e, a = string.match(column, '(%S+) (%S+) (%S+) (%S+) (%S+)')
     service[#service + 1], queue[#queue + 1] = tonumber(s), tonumber(q)
-    compute[#compute + 1], spread[#spread + 1] = tonumber(c), tonumber(e)
+    compute[#compute + 1], spread[#spread + 1], at_compute[#at_compute + 1] = tonumber(c), tonumber(e), tonumber(a)
   end
   local margin, faster_by = tonumber(ARGV[20]), tonumber(ARGV[21])
   local cap = decode[chosen]
@@ -104,7 +104,11 @@ if selection == 'score' and (ARGV[17] or '') ~= '' then
       if ttft < best_s then best, best_s = k, ttft end
     end
   end
-  if best_s < limit then chosen = best end
+  -- and sooner by the margin with every queue at its compute rate too: else its cost is unsure
+  if best_s < limit and service[best] + prefill[best] * at_compute[best]
+      < (1.0 - margin) * (service[chosen] + prefill[chosen] * at_compute[chosen]) then
+    chosen = best
+  end
 end
 
 if book then
@@ -121,7 +125,8 @@ if book then
     if k == chosen then
       local w = {}
       for part in string.gmatch(work, '%S+') do w[#w + 1] = tonumber(part) end
-      redis.call('HSET', bk, 'work', string.format('%.17g %.17g %.17g', w[1] + prefill[chosen] * w[4], w[2], w[3]),
+      redis.call('HSET', bk, 'work', string.format('%.17g %.17g %.17g %.17g', w[1], w[2], w[3],
+                                                  w[4] + prefill[chosen] * w[5]),
                  'at', now)
       break
     end

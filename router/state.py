@@ -246,9 +246,10 @@ async def read_worker_rates(client) -> list[WorkerRatesHealth]:
                     error = decode_error(raw)
                 except ValueError:
                     log.warning("unreadable prediction error for %s/%s", token, as_text(worker))
-            compute, host, l3 = fit.multipliers
+            compute, host, l3, queued = fit.multipliers
             found.append(WorkerRatesHealth(model=token, worker_id=as_text(worker), compute=round(compute, 4),
-                                           host_load=round(host, 4), l3_load=round(l3, 4), samples=fit.samples,
+                                           host_load=round(host, 4), l3_load=round(l3, 4),
+                                           queued=round(queued, 4), samples=fit.samples,
                                            relative_error=round(fit.relative_error, 4),
                                            ttft_mape=round(error.mape, 4), ttft_bias=round(error.bias, 4),
                                            ttft_compared=error.samples))

@@ -2,9 +2,13 @@
 and shown by /healthz and `kvtier inspect`: the fit of router/rates.py, declared once.
 
 A rate is a multiplier on the prior's seconds per token (1.0: the worker runs as the prior
-says; 2.0: it takes twice as long), for the three kinds of work a first token waits for:
-computing tokens (the request's own recompute and the prefill work booked ahead of it),
-loading host pages back to the GPU, and fetching shared-pool (L3) pages."""
+says; 2.0: it takes twice as long), for the four kinds of work a first token waits for:
+computing the request's own tokens (its recompute), loading host pages back to the GPU,
+fetching shared-pool (L3) pages, and the prefill booked ahead of it on the worker (its pages
+priced at the compute rate by the prior). The queue is a kind of its own because a booked
+page is not a page still to compute: part of it is a load, part of the running prefill is
+done, so a queued page takes less time than a recomputed one, by how much depends on the
+workload (the replay suite's workloads: docs/benchmarks/replay.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import struct
 import msgspec
 
 #: The kinds of work, in the order of every tuple below.
-WORK_KINDS = ("compute", "host_load", "l3_load")
+WORK_KINDS = ("compute", "host_load", "l3_load", "queued")
+KINDS = len(WORK_KINDS)
 
 
 class RatePrior(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,17 +32,20 @@ class RatePrior(msgspec.Struct, frozen=True, kw_only=True):
     #: Mooncake -> host at 20 GB/s, then the load back.
     l3_load_tokens_per_s: float = 84_771.0
 
-    def seconds_per_token(self) -> tuple[float, float, float]:
-        return (1 / self.compute_tokens_per_s, 1 / self.host_load_tokens_per_s, 1 / self.l3_load_tokens_per_s)
+    def seconds_per_token(self) -> tuple[float, float, float, float]:
+        """Per kind (WORK_KINDS): a queued token is priced, before anything is learned, as a
+        token to compute."""
+        compute = 1 / self.compute_tokens_per_s
+        return (compute, 1 / self.host_load_tokens_per_s, 1 / self.l3_load_tokens_per_s, compute)
 
 
 class RateFit(msgspec.Struct, frozen=True, kw_only=True):
     """One worker's online fit: first-token time = sum over kinds of (tokens x prior seconds
     per token x multiplier), by recursive least squares with forgetting."""
 
-    multipliers: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    #: The fit's covariance, row by row (3 x 3): how unsure each multiplier still is.
-    covariance: tuple[float, ...] = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+    multipliers: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
+    #: The fit's covariance, row by row (KINDS x KINDS): how unsure each multiplier still is.
+    covariance: tuple[float, ...] = tuple(float(i == j) for i in range(KINDS) for j in range(KINDS))
     #: Running mean of the fit's absolute errors relative to its predictions (cuts outliers).
     relative_error: float = 0.0
     samples: int = 0
@@ -45,10 +53,13 @@ class RateFit(msgspec.Struct, frozen=True, kw_only=True):
     streak: int = 0
 
 
-#: A fit as Redis holds it: 15 little-endian IEEE doubles (multipliers, covariance, mean error,
-#: samples, streak), written and read by learn_rates.lua with Lua's `struct`, exact both ways and
-#: without the decimal conversions that cost a text form more than the fit itself.
-FIT_LAYOUT = struct.Struct("<15d")
+#: A fit as Redis holds it: 23 little-endian IEEE doubles (4 multipliers, 16 covariances, mean
+#: error, samples, streak), written and read by learn_rates.lua with Lua's `struct`, exact both
+#: ways and without the decimal conversions that cost a text form more than the fit itself.
+FIT_LAYOUT = struct.Struct(f"<{KINDS + KINDS * KINDS + 3}d")
+#: The layout before the queued kind (3 kinds, 15 doubles): not read; learn_rates.lua starts
+#: such a worker's fit afresh at its next first token.
+OLD_FIT_BYTES = 15 * 8
 
 
 def encode_fit(fit: RateFit) -> bytes:
@@ -59,13 +70,18 @@ def encode_fit(fit: RateFit) -> bytes:
 def decode_fit(raw: bytes | str) -> RateFit:
     """ValueError when `raw` is not a fit's encoding."""
     data = raw.encode("latin-1") if isinstance(raw, str) else raw
+    if len(data) == OLD_FIT_BYTES:
+        raise ValueError("a worker's rates are in the layout before the queued kind; they are learned "
+                         "afresh at its next first token")
     if len(data) != FIT_LAYOUT.size:
         raise ValueError(f"a worker's rates are {FIT_LAYOUT.size} bytes, got {len(data)}")
     v = FIT_LAYOUT.unpack(data)
-    if not all(math.isfinite(x) for x in v) or v[13] < 0 or v[13] != int(v[13]) or v[14] != int(v[14]):
+    n, c = KINDS, KINDS + KINDS * KINDS  # where the covariance starts, and where it ends
+    samples, streak = v[c + 1], v[c + 2]
+    if not all(math.isfinite(x) for x in v) or samples < 0 or samples != int(samples) or streak != int(streak):
         raise ValueError("a worker's rates hold a number that is not finite, or a count that is not whole")
-    return RateFit(multipliers=(v[0], v[1], v[2]), covariance=tuple(v[3:12]), relative_error=v[12],
-                   samples=int(v[13]), streak=int(v[14]))
+    return RateFit(multipliers=(v[0], v[1], v[2], v[3]), covariance=tuple(v[n:c]), relative_error=v[c],
+                   samples=int(samples), streak=int(streak))
 
 
 class PredictionError(msgspec.Struct, frozen=True, kw_only=True):

@@ -168,6 +168,9 @@ class WorkerRatesHealth(msgspec.Struct, frozen=True, kw_only=True):
     compute: float
     host_load: float
     l3_load: float
+    #: The prefill booked ahead of its first tokens, per token at the prior's compute rate
+    #: (under its compute multiplier: a queued page is partly loaded, partly done).
+    queued: float = 1.0
     samples: int
     #: The fit's running mean error relative to its predictions (0.1: first tokens 10% off).
     relative_error: float

@@ -379,6 +379,7 @@ class PredictedTtftModel(RouterModel):
         return {str(rank): {"samples": fit.samples, "compute": round(fit.multipliers[0], 3),
                             "true_compute": round(1 / cluster.speed(rank, now), 3),
                             "host_load": round(fit.multipliers[1], 3), "l3_load": round(fit.multipliers[2], 3),
+                            "queued": round(fit.multipliers[3], 3),
                             "ttft_mape": round(error.mape, 3), "ttft_bias": round(error.bias, 3),
                             "ttft_mape_run": round(run.mape, 3) if run.samples else None,
                             "ttft_bias_run": round(run.bias, 3) if run.samples else None}

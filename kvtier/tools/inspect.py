@@ -64,9 +64,10 @@ def _rates_row(text, errors) -> dict | None:
         error = decode_error(errors) if errors is not None else PredictionError()
     except ValueError:
         error = PredictionError()
-    compute, host, l3 = fit.multipliers
+    compute, host, l3, queued = fit.multipliers
     # ttft_*: how far its first tokens came from what the rates predicted (PredictionError)
     return {"compute": round(compute, 3), "host_load": round(host, 3), "l3_load": round(l3, 3),
+            "queued": round(queued, 3),
             "samples": fit.samples, "relative_error": round(fit.relative_error, 3),
             "ttft_mape": round(error.mape, 3), "ttft_bias": round(error.bias, 3), "ttft_compared": error.samples}
 

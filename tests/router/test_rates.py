@@ -6,6 +6,7 @@ fit is unsure."""
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 from hypothesis import given
@@ -31,7 +32,8 @@ SETTINGS = FitSettings()
 
 def random_work(rng: random.Random) -> Work:
     return Work(compute_tokens=rng.uniform(0, 8000), host_tokens=rng.choice([0, rng.uniform(0, 30000)]),
-                l3_tokens=rng.choice([0, 0, rng.uniform(0, 30000)]))
+                l3_tokens=rng.choice([0, 0, rng.uniform(0, 30000)]),
+                queued_tokens=rng.choice([0, rng.uniform(0, 20000)]))
 
 
 def truth_s(multipliers, work: Work) -> float:
@@ -51,10 +53,12 @@ def close(a, b, rel: float) -> bool:
 
 def test_the_fit_finds_a_workers_true_multipliers():
     rng = random.Random(1)
-    fit = learn(SETTINGS.first_fit(), (2.0, 1.5, 3.0), 200, rng, noise=0.02)
-    # compute, which most of a first token's time is, exactly; the loads, a tenth of it, closely
+    fit = learn(SETTINGS.first_fit(), (2.0, 1.5, 3.0, 0.6), 200, rng, noise=0.02)
+    # compute and the queue, which most of a first token's time is, exactly; the loads, a tenth
+    # of it, closely
     assert abs(fit.multipliers[0] - 2.0) < 0.03 * 2.0, fit.multipliers
-    assert close(fit.multipliers[1:], (1.5, 3.0), 0.10), fit.multipliers
+    assert abs(fit.multipliers[3] - 0.6) < 0.03 * 0.6, fit.multipliers
+    assert close(fit.multipliers[1:3], (1.5, 3.0), 0.10), fit.multipliers
     assert fit.samples == 200 and fit.relative_error > 0
     work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
     assert abs(predict_s(fit, PRIOR, work) - 2.0 * 4000 / PRIOR.compute_tokens_per_s) < 0.02
@@ -62,9 +66,14 @@ def test_the_fit_finds_a_workers_true_multipliers():
 
 def test_a_slowdown_is_followed_within_tens_of_requests():
     rng = random.Random(2)
-    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0), 300, rng)
-    fit = learn(fit, (2.0, 2.0, 2.0), 60, rng)
-    assert close(fit.multipliers, (2.0, 2.0, 2.0), 0.10), fit.multipliers
+    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0, 1.0), 300, rng)
+    fit = learn(fit, (2.0, 2.0, 2.0, 2.0), 60, rng)
+    # compute and the queue, most of a first token's time, closely; the loads, a tenth of it
+    # shared among four kinds, less closely; the time itself closely
+    assert close([fit.multipliers[i] for i in (0, 3)], (2.0, 2.0), 0.05), fit.multipliers
+    assert close(fit.multipliers[1:3], (2.0, 2.0), 0.15), fit.multipliers
+    work = random_work(rng)
+    assert predict_s(fit, PRIOR, work) == pytest.approx(truth_s((2.0,) * 4, work), rel=0.05)
 
 
 def test_what_is_learned_of_compute_carries_over_to_loads_not_seen_yet():
@@ -72,15 +81,15 @@ def test_what_is_learned_of_compute_carries_over_to_loads_not_seen_yet():
     fit = SETTINGS.first_fit()
     for _ in range(100):  # only compute work: nothing says how fast this worker loads
         work = Work(compute_tokens=rng.uniform(100, 8000), host_tokens=0, l3_tokens=0)
-        fit = observe(fit, PRIOR, work, truth_s((2.0, 2.0, 2.0), work), SETTINGS)
+        fit = observe(fit, PRIOR, work, truth_s((2.0, 2.0, 2.0, 2.0), work), SETTINGS)
     assert abs(fit.multipliers[0] - 2.0) < 0.05
-    assert fit.multipliers[1] > 1.7 and fit.multipliers[2] > 1.7  # the prior: a slow card loads slowly too
-    assert RateFit().multipliers == (1.0, 1.0, 1.0)
+    assert all(m > 1.7 for m in fit.multipliers[1:]), fit.multipliers  # the prior: a slow card loads slowly too
+    assert RateFit().multipliers == (1.0, 1.0, 1.0, 1.0)
 
 
 def test_one_stalled_request_barely_moves_a_warm_fit():
     rng = random.Random(4)
-    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0), 100, rng, noise=0.05)
+    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0, 1.0), 100, rng, noise=0.05)
     work = Work(compute_tokens=2000, host_tokens=0, l3_tokens=0)
     stalled = observe(fit, PRIOR, work, 30.0, SETTINGS)  # 300x what the work takes
     assert abs(stalled.multipliers[0] - fit.multipliers[0]) < 0.05
@@ -88,15 +97,15 @@ def test_one_stalled_request_barely_moves_a_warm_fit():
     assert uncut.multipliers[0] > stalled.multipliers[0] + 0.5  # what cutting it saved
 
 
-@given(samples=st.lists(st.tuples(st.floats(0, 1e7), st.floats(0, 1e7), st.floats(0, 1e7),
+@given(samples=st.lists(st.tuples(st.floats(0, 1e7), st.floats(0, 1e7), st.floats(0, 1e7), st.floats(0, 1e7),
                                   st.floats(-10, 1e6, allow_nan=False)), max_size=40))
 def test_the_fit_stays_bounded_whatever_it_is_told(samples):
     fit = SETTINGS.first_fit()
     low, high = SETTINGS.bounds
-    for compute, host, l3, ttft in samples:
-        fit = observe(fit, PRIOR, Work(compute, host, l3), ttft, SETTINGS)
+    for compute, host, l3, queued, ttft in samples:
+        fit = observe(fit, PRIOR, Work(compute, host, l3, queued), ttft, SETTINGS)
         assert all(low <= m <= high for m in fit.multipliers)
-        trace = fit.covariance[0] + fit.covariance[4] + fit.covariance[8]
+        trace = sum(fit.covariance[::len(fit.multipliers) + 1])
         assert trace <= SETTINGS.max_uncertainty * (1 + 1e-9)
 
 
@@ -110,7 +119,7 @@ def test_a_sample_that_says_nothing_leaves_the_fit():
 overlaps = st.builds(TierOverlap, device=st.integers(0, 64), host=st.integers(0, 64), disk=st.integers(0, 64),
                      shared_beyond=st.integers(0, 64), predicted=st.integers(0, 8))
 candidate_lists = st.lists(st.tuples(overlaps, st.integers(0, 500), st.integers(0, 500)), min_size=1, max_size=8)
-multipliers = st.tuples(st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0.05, 50))
+multipliers = st.tuples(st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0.05, 50))
 
 
 PAGE = 16
@@ -127,8 +136,9 @@ def columns_of(candidates, fits, n_tokens: int):
 def test_the_override_only_takes_a_clearly_faster_worker_that_does_no_more_work(candidates, data):
     """Whatever the fits and loads: the override is the formula's choice, or a candidate
     faster at compute by more than faster_by beyond both fits' mean errors, predicted sooner
-    by more than the margin, whose own work and decode load are no more than the formula's
-    worker's: the soonest such one."""
+    by more than the margin (with the queues at their queued rates, and at their compute rates
+    too), whose own work and decode load are no more than the formula's worker's: the
+    soonest such one."""
     fits = data.draw(st.lists(trusted_fits, min_size=len(candidates), max_size=len(candidates)))
     formula = data.draw(st.integers(0, len(candidates) - 1))
     columns = columns_of(candidates, fits, data.draw(st.integers(1, 128 * PAGE)))
@@ -139,12 +149,19 @@ def test_the_override_only_takes_a_clearly_faster_worker_that_does_no_more_work(
     def ttft(i):
         return columns.service_s[i] + prefill[i] * columns.queue_s_per_page[i]
 
+    def ttft_at_compute(i):
+        return columns.service_s[i] + prefill[i] * columns.queue_at_compute_s_per_page[i]
+
+    assert columns.queue_at_compute_s_per_page == [
+        pytest.approx(PAGE * f.multipliers[0] / PRIOR.compute_tokens_per_s) for f in fits]
+
     # faster beyond both fits' errors
     faster = (1 - FASTER_PICK.faster_by) * fits[formula].multipliers[0] * (1 - fits[formula].relative_error)
     eligible = [i for i in pool if fits[i].multipliers[0] * (1 + fits[i].relative_error) < faster
                 and columns.service_s[i] <= columns.service_s[formula] and decode[i] <= decode[formula]] or [formula]
     soonest = min(eligible, key=ttft)
-    if ttft(soonest) < (1 - FASTER_PICK.margin) * ttft(formula):
+    if (ttft(soonest) < (1 - FASTER_PICK.margin) * ttft(formula)
+            and ttft_at_compute(soonest) < (1 - FASTER_PICK.margin) * ttft_at_compute(formula)):
         assert chosen == soonest
     else:
         assert chosen == formula
@@ -176,7 +193,8 @@ def test_between_workers_within_faster_by_of_each_other_the_formulas_choice_stan
     decision is the formula's."""
     low = data.draw(st.floats(0.05, 20))
     within = st.floats(low, low / (1 - FASTER_PICK.faster_by), exclude_max=True)
-    fits = [RateFit(multipliers=(data.draw(within), data.draw(st.floats(0.05, 50)), data.draw(st.floats(0.05, 50))),
+    fits = [RateFit(multipliers=(data.draw(within), data.draw(st.floats(0.05, 50)), data.draw(st.floats(0.05, 50)),
+                                 data.draw(st.floats(0.05, 50))),
                     samples=100, relative_error=data.draw(st.floats(0, 0.6))) for _ in candidates]
     columns = columns_of(candidates, fits, data.draw(st.integers(1, 2048)))
     formula = data.draw(st.integers(0, len(candidates) - 1))
@@ -191,7 +209,8 @@ def test_a_clearly_faster_worker_replaces_the_formulas_and_a_slightly_faster_one
     decode load is no more. Not to a fast worker busier at decode, nor one 10% faster, nor one
     whose fit is as unsure as it is apart."""
     candidates = [(TierOverlap(), 40, 120), (TierOverlap(), 0, 100), (TierOverlap(), 60, 200)]
-    slow, fast = RateFit(multipliers=(2.0, 2.0, 2.0), samples=50), RateFit(multipliers=(1.0, 1.0, 1.0), samples=50)
+    slow = RateFit(multipliers=(2.0, 2.0, 2.0, 2.0), samples=50)
+    fast = RateFit(multipliers=(1.0, 1.0, 1.0, 1.0), samples=50)
     columns = columns_of(candidates, [slow, fast, slow], 1024)
     prefill, decode = [40, 0, 60], [120, 100, 200]
     assert faster_than_formula(0, [0, 1, 2], columns, prefill, decode) == 1
@@ -199,22 +218,36 @@ def test_a_clearly_faster_worker_replaces_the_formulas_and_a_slightly_faster_one
     assert faster_than_formula(0, [0, 1, 2], columns, prefill, [90, 100, 200]) == 0
     # outside the pool (over the busy thresholds): not a candidate
     assert faster_than_formula(0, [0, 2], columns, prefill, decode) == 0
-    near = RateFit(multipliers=(0.9, 0.9, 0.9), samples=50)
+    near = RateFit(multipliers=(0.9, 0.9, 0.9, 0.9), samples=50)
     columns = columns_of(candidates, [RateFit(samples=50), near, slow], 1024)
     assert faster_than_formula(0, [0, 1, 2], columns, [40, 0, 60], decode) == 0
     # twice as fast, but each fit 30% off its first tokens: not clearly faster
-    unsure_slow = RateFit(multipliers=(2.0, 2.0, 2.0), samples=50, relative_error=0.3)
-    unsure_fast = RateFit(multipliers=(1.0, 1.0, 1.0), samples=50, relative_error=0.3)
+    unsure_slow = RateFit(multipliers=(2.0, 2.0, 2.0, 2.0), samples=50, relative_error=0.3)
+    unsure_fast = RateFit(multipliers=(1.0, 1.0, 1.0, 1.0), samples=50, relative_error=0.3)
     columns = columns_of(candidates, [unsure_slow, unsure_fast, slow], 1024)
     assert faster_than_formula(0, [0, 1, 2], columns, prefill, decode) == 0
+
+
+def test_an_override_sooner_only_at_the_learned_queue_rate_is_not_made():
+    """A fast worker with 60 pages booked ahead, learned to cost 0.3 of a computed page each:
+    at that rate its first token is far sooner than the slow formula worker's, but if its
+    queue were pages still to compute, it is not sooner by the margin. The queue's cost is
+    unsure, and the formula's choice stands; with a short queue both prices agree."""
+    candidates = [(TierOverlap(), 5, 120), (TierOverlap(), 60, 100)]
+    slow = RateFit(multipliers=(2.0, 2.0, 2.0, 1.2), samples=50)
+    cheap_queue = RateFit(multipliers=(1.0, 1.0, 1.0, 0.3), samples=50)
+    columns = columns_of(candidates, [slow, cheap_queue], 1024)
+    assert columns.predicted_ms(1, 60) < 0.8 * columns.predicted_ms(0, 5)  # sooner at the learned rate
+    assert faster_than_formula(0, [0, 1], columns, [5, 60], [120, 100]) == 0
+    assert faster_than_formula(0, [0, 1], columns, [5, 10], [120, 100]) == 1
 
 
 def test_a_worker_that_would_recompute_what_the_formulas_worker_holds_is_not_taken():
     """The formula's worker holds the request's prefix on its device; an idle worker that is
     twice as fast but holds nothing would recompute it: not a faster pick."""
     candidates = [(TierOverlap(device=60), 4, 10), (TierOverlap(), 0, 10)]
-    columns = columns_of(candidates, [RateFit(multipliers=(2.0, 2.0, 2.0), samples=50),
-                                      RateFit(multipliers=(1.0, 1.0, 1.0), samples=50)], 64 * PAGE)
+    columns = columns_of(candidates, [RateFit(multipliers=(2.0, 2.0, 2.0, 2.0), samples=50),
+                                      RateFit(multipliers=(1.0, 1.0, 1.0, 1.0), samples=50)], 64 * PAGE)
     assert columns.service_s[1] > columns.service_s[0]
     assert faster_than_formula(0, [0, 1], columns, [4, 0], [10, 10]) == 0
 
@@ -222,23 +255,24 @@ def test_a_worker_that_would_recompute_what_the_formulas_worker_holds_is_not_tak
 # --- learn_rates.lua against observe() ---------------------------------------------------------
 #: learn_rates.lua's function called alone (release.lua calls it at a first token's release).
 LEARN_ONE = """
-return learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}, tonumber(ARGV[5]),
-                  {unpack(ARGV, 6, 18)}, tonumber(ARGV[19]))
+return learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])},
+                  tonumber(ARGV[6]), {unpack(ARGV, 7, 19)}, tonumber(ARGV[20]))
 """
 
 #: learn_rate, then track_error as release.lua runs them (KEYS[2]: the errors hash; ARGV[20]:
 #: the error's memory): the fit and the prediction error, as Redis holds them.
 LEARN_AND_TRACK = """
 local fit, predicted, floored = learn_rate(KEYS[1], ARGV[1], {tonumber(ARGV[2]), tonumber(ARGV[3]),
-                                           tonumber(ARGV[4])}, tonumber(ARGV[5]), {unpack(ARGV, 6, 18)},
-                                           tonumber(ARGV[19]))
-if predicted then track_error(KEYS[2], ARGV[1], predicted, floored, tonumber(ARGV[20])) end
+                                           tonumber(ARGV[4]), tonumber(ARGV[5])}, tonumber(ARGV[6]),
+                                           {unpack(ARGV, 7, 19)}, tonumber(ARGV[20]))
+if predicted then track_error(KEYS[2], ARGV[1], predicted, floored, tonumber(ARGV[21])) end
 return {fit, redis.call('HGET', KEYS[2], ARGV[1]) or ''}
 """
 
 
 def lua_arguments(worker: str, work: Work, ttft_s: float, max_step: float = 0.0) -> list:
-    return [worker, repr(work.compute_tokens), repr(work.host_tokens), repr(work.l3_tokens), repr(ttft_s),
+    return [worker, repr(work.compute_tokens), repr(work.host_tokens), repr(work.l3_tokens),
+            repr(work.queued_tokens), repr(ttft_s),
             *fit_arguments(PRIOR, SETTINGS), repr(max_step)]
 
 
@@ -266,7 +300,7 @@ def test_the_fit_in_redis_is_the_pure_fit(redis_server):
         if rng.random() < 0.01:
             truth[worker] *= rng.choice([0.5, 2.0])
         work = random_work(rng) if rng.random() > 0.03 else Work(0, 0, 0)
-        ttft = truth_s((truth[worker],) * 3, work) * rng.uniform(0.9, 1.1)
+        ttft = truth_s((truth[worker],) * 4, work) * rng.uniform(0.9, 1.1)
         ttft = rng.choice([ttft, ttft, ttft, 50.0, 0.0, -1.0]) if rng.random() < 0.05 else ttft
         max_step = rng.choice([0.0, CLIENT_SAMPLES.max_step, 0.2])  # the router's own, or a client's
         fits[worker], errors[worker], _ = observe_and_track(fits[worker], errors[worker], PRIOR, work, ttft,
@@ -301,9 +335,9 @@ def test_the_prediction_error_is_the_mean_of_the_first_20_then_follows_the_last_
 
 def test_errors_beyond_the_bound_in_a_row_are_a_change_not_outliers():
     rng = random.Random(5)
-    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0), 200, rng, noise=0.01)  # a tight fit: a small bound
+    fit = learn(SETTINGS.first_fit(), (1.0, 1.0, 1.0, 1.0), 200, rng, noise=0.01)  # a tight fit: a small bound
     work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
-    slow = truth_s((3.0, 3.0, 3.0), work)
+    slow = truth_s((3.0, 3.0, 3.0, 3.0), work)
     after = [fit]
     for _ in range(SETTINGS.change_after):
         after.append(observe(after[-1], PRIOR, work, slow, SETTINGS))
@@ -320,14 +354,14 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
     from kvtier.router.roster import Roster, fits_of
     from kvtier.schemas.rates import encode_fit
 
-    fit = RateFit(multipliers=(2.0, 1.5, 1.0), samples=3)
+    fit = RateFit(multipliers=(2.0, 1.5, 1.0, 1.0), samples=3)
     # an unreadable field is left out: that worker is untrusted, so nothing is overridden
     assert fits_of([b"w0", encode_fit(fit), b"w1", b"not a fit"]) == {"w0": fit}
     roster = Roster(read_at=0.0, live={"w0": (64, 1 << 40)}, lease_count=1, stale=frozenset(), marker_id="m",
                     ready=True, rebuilding=False, change=0, next_expiry_ms=1 << 40, load_version=None)
     roster.set_loads(7, [b"w0", b"3"], [], [b"w0", encode_fit(fit)])
     assert roster.rates == {"w0": fit} and roster.load_version == 7
-    taught = RateFit(multipliers=(2.5, 1.5, 1.0), samples=4)
+    taught = RateFit(multipliers=(2.5, 1.5, 1.0, 1.0), samples=4)
     roster.add("w0", -3, 0, 8, taught)  # this replica's release, the version right after the copy's
     assert roster.rates["w0"] == taught and roster.prefill == {}
     roster.add("w0", 0, 0, 10, RateFit())  # another replica wrote in between: nothing is trusted
@@ -337,8 +371,9 @@ def test_a_roster_copy_reads_rates_with_its_loads_and_follows_its_own_releases()
 
 
 def test_a_fit_not_in_the_layout_starts_again_instead_of_failing_the_release(redis_server):
-    """An old text form or a stray value under a worker's field: the next first token starts
-    that worker's fit from the prior (a failing release would leave its load booked)."""
+    """An old text form, a fit in the layout before the queued kind, or a stray value under a
+    worker's field: the next first token starts that worker's fit from the prior (a failing
+    release would leave its load booked), and the readers say why they cannot show it."""
     import redis as sync_redis
 
     from kvtier.plumbing.lua_scripts import load_lua
@@ -349,10 +384,32 @@ def test_a_fit_not_in_the_layout_starts_again_instead_of_failing_the_release(red
     learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_ONE)
     key = ModelKeys.for_model("m-layout").rates
     work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
-    for stray in (b"1 1 1 1 0 0 0 1 0 0 0 1 0 5 0", b"x" * 119, b""):
+    three_kinds = struct.pack("<15d", 2.0, 1.0, 1.0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0.1, 50, 0)
+    with pytest.raises(ValueError, match="before the queued kind"):
+        decode_fit(three_kinds)
+    for stray in (b"1 1 1 1 0 0 0 1 0 0 0 1 0 5 0", b"x" * 119, three_kinds, b""):
         client.hset(key, "w", stray)
         fit = decode_fit(learn(keys=[key], args=lua_arguments("w", work, 0.3)))
         assert fit == observe(SETTINGS.first_fit(), PRIOR, work, 0.3, SETTINGS)
+
+
+def test_a_booking_from_before_the_queued_kind_teaches_as_work_with_nothing_queued(redis_server):
+    """A booking a router wrote before the queued kind keeps three token counts; its first
+    token's release still teaches (none queued) instead of failing."""
+    import redis as sync_redis
+
+    from kvtier.plumbing.lua_scripts import load_lua
+    from kvtier.schemas.rates import decode_fit
+    from kvtier.schemas.state_keys import ModelKeys
+
+    client = sync_redis.Redis.from_url(redis_server.url)
+    three = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + """
+return learn_rate(KEYS[1], 'w', {4000, 2000, 0}, 0.3, {unpack(ARGV, 1, 13)}, 0)
+""")
+    key = ModelKeys.for_model("m-three").rates
+    fit = decode_fit(three(keys=[key], args=fit_arguments(PRIOR, SETTINGS)))
+    assert fit == observe(SETTINGS.first_fit(), PRIOR, Work(4000, 2000, 0, 0), 0.3, SETTINGS)
+    assert fit.samples == 1
 
 
 def test_a_stray_prediction_error_starts_again_and_is_shown_as_none_yet(redis_server):
@@ -374,7 +431,7 @@ def test_a_stray_prediction_error_starts_again_and_is_shown_as_none_yet(redis_se
     keys = ModelKeys.for_model("m-errors")
     learn = client.register_script(load_lua("kvtier.router", "learn_rates.lua") + LEARN_AND_TRACK)
     work = Work(compute_tokens=4000, host_tokens=0, l3_tokens=0)
-    fit = RateFit(multipliers=(2.0, 1.0, 1.0), samples=30)
+    fit = RateFit(multipliers=(2.0, 1.0, 1.0, 1.0), samples=30)
     for stray in (b"x" * 23, b"not an error", b""):
         client.hset(keys.rates, "w", encode_fit(fit))
         client.hset(keys.ttft_errors, "w", stray)

@@ -184,11 +184,14 @@ def test_the_faster_pick_in_redis_is_the_pure_one(redis_server):
                                                                  shared_beyond=rng.choice([0, rng.randint(0, 40)])),
                                                   rng.randint(0, 300), rng.randint(0, 300)) for w in ids]
                 # half the cases: workers 1.5 or 2 times as fast as others, with fits 5-15% off, where
-                # the fits' errors (within max_error) decide whether one is clearly faster
+                # the fits' errors (within max_error) decide whether one is clearly faster at compute;
+                # a queued page costs as much as a computed one, or 0.5-1.0 of it, so the two prices
+                # of the queue (faster_than_formula) agree in some cases and not in others
                 speeds = [rng.choice([1.0, 1.5, 2.0]) for _ in ids] if rng.random() < 0.5 else None
+                computes = [speeds[i] if speeds else rng.uniform(0.3, 4) for i in range(n)]
                 fits = [None if rng.random() < 0.03 else
-                        RateFit(multipliers=(speeds[i] if speeds else rng.uniform(0.3, 4), rng.uniform(0.3, 4),
-                                             rng.uniform(0.3, 4)),
+                        RateFit(multipliers=(computes[i], rng.uniform(0.3, 4), rng.uniform(0.3, 4),
+                                             computes[i] * rng.choice([1.0, rng.uniform(0.5, 1.0)])),
                                 samples=rng.choice([rates.FASTER_PICK.min_samples, 200]),
                                 relative_error=rng.choice([0.0, rng.uniform(0.05, 0.15), rng.uniform(0.05, 0.15)]))
                         for i in range(n)]
@@ -217,7 +220,8 @@ def test_the_faster_pick_in_redis_is_the_pure_one(redis_server):
                 chosen = inputs[selection.chosen]
                 kept = rates.predicted_work(n_tokens, chosen.overlap, chosen.prefill_load, 16)
                 work = await client.hget(f"kvt:{{m}}:bk:r{case}", "work")
-                assert [float(x) for x in work.split()] == [kept.compute_tokens, kept.host_tokens, kept.l3_tokens]
+                assert [float(x) for x in work.split()] == [kept.compute_tokens, kept.host_tokens, kept.l3_tokens,
+                                                            kept.queued_tokens]
         finally:
             await client.aclose()
         return overrides
@@ -236,7 +240,7 @@ def test_in_redis_a_worker_faster_only_within_the_fits_errors_is_not_taken(redis
             await client.flushall()
             await client.hset("kvt:{m}:load:prefill", "w1", 5)
             await client.hset("kvt:{m}:load:decode", mapping={"w0": 10, "w1": 10})
-            fits = [RateFit(multipliers=(m, m, m), samples=50, relative_error=error) for m in (1.5, 1.0)]
+            fits = [RateFit(multipliers=(m, m, m, m), samples=50, relative_error=error) for m in (1.5, 1.0)]
             columns = rates.ttft_columns(64 * 16, [TierOverlap()] * 2, [16, 16], fits, rates.RATE_PRIOR)
             selection = await LoadBook(client).select_and_book(
                 "m", f"r{error}", 64, 70, [("w0", 0.0, 0), ("w1", 0.0, 0)], 16.0, 0.0, 0.5, faster=columns)
