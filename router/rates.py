@@ -5,8 +5,8 @@ against.
 Learning. A decision predicts the work a first token waits for on its worker: tokens to
 compute (the request's recompute), host pages to load back, shared-pool pages to fetch, and
 the prefill booked ahead of it (schemas/rates.py WORK_KINDS). When the first token comes, the
-router knows how long it took. `observe` fits first-token seconds = sum(tokens x prior seconds per token x multiplier)
-per worker by recursive least squares:
+router knows how long it took. `observe` fits first-token seconds = sum(tokens x prior
+seconds per token x multiplier) per worker by recursive least squares:
 - forgetting (each old sample weighs `forgetting` times less per new one), so a worker that
   slows down is seen within tens of requests;
 - relative: each sample weighs as much as any other, whatever the size of its request;
@@ -26,8 +26,8 @@ What it prices is what delays a first token: the prefill queued ahead at the wor
 rate, its recompute, load-back and pool fetch at its learned rates; not decode, which the
 formula weighs for TPOT. The margin must hold with the queues at their compute rates too
 (pages still to compute, the most a queue can cost), so a queue learned cheap on little
-evidence does not move a request by itself. Only a worker faster beyond both fits' errors may take a request:
-where the workers are equal (learned within FasterPick.faster_by and their fits' errors of
+evidence does not move a request by itself. Only a worker faster beyond both fits' errors
+may take a request: where the workers are equal (learned within FasterPick.faster_by and their fits' errors of
 each other) every decision is the formula's, by construction; the replay suite
 (kvtier/eval/suite.py) measures what it gains where they are not.
 
