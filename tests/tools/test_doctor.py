@@ -219,7 +219,7 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
             "engine_queues": [{"model": "m", "worker_id": "w1", "waiting": 2, "running": 5, "read_ago_s": 0.7}],
             "pricing": "learned-rates",
             "worker_rates": [{"model": "m", "worker_id": "w1", "compute": 2.01, "host_load": 1.5, "l3_load": 1.0,
-                              "samples": 40, "relative_error": 0.03, "ttft_mape": 0.12, "ttft_bias": -0.04,
+                              "queued": 1.7, "samples": 40, "relative_error": 0.03, "ttft_mape": 0.12, "ttft_bias": -0.04,
                               "ttft_compared": 40}],
             "page_size": None,
             "decision_log": {"enabled": True, "connected": False}, "models": ["m"], "state_source": "mirror",
