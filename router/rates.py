@@ -161,7 +161,8 @@ def predicted_work(n_tokens: int, overlap: TierOverlap, prefill_load: int, page_
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    """Left to right from 0, as learn_rates.lua adds (the same doubles both sides)."""
+    """Left to right from 0, as learn_rates.lua adds (the same doubles both sides); not
+    `sum()`, which compensates float rounding from Python 3.12 on and would part from Lua."""
     total = 0.0
     for u, v in zip(a, b):
         total += u * v
