@@ -111,7 +111,12 @@ def choose(values: Sequence[float], temperature: float, u: float) -> int:
     if span == 0.0:
         return int(u * len(values))
     weights = [math.exp(-((v - low) / span) / temperature) for v in values]
-    target = u * sum(weights)
+    # added left to right as select_and_book.lua adds them: sum() compensates float rounding
+    # from Python 3.12 on, and the two could choose differently at a boundary
+    total = 0.0
+    for w in weights:
+        total += w
+    target = u * total
     running = 0.0
     for i, w in enumerate(weights):
         running += w
