@@ -63,7 +63,9 @@ class RouterConfig:
         help="hicache: credit pages workers can fetch from the shared Mooncake pool.")
     mooncake_master: str = setting(
         "", flag="--mooncake-master",
-        help="The Mooncake master's HTTP address (its metrics port, serving /batch_query_keys).")
+        help="The Mooncake master's HTTP address (its metrics port, serving /batch_query_keys). Asked for every "
+             "decision: with --shared-cache-type hicache to credit the pages workers can fetch from the pool; with "
+             "--learn-rates on (the default) to price them in the work the rates learn from either way.")
     shared_cache_timeout_ms: float = setting(
         50.0, flag="--shared-cache-timeout-ms", parse=positive_float,
         help="Budget for the shared-pool query; past it the decision scores without it.")
@@ -296,7 +298,7 @@ class RouterConfig:
                                        disk_cache_hit_weight=0.0, shared_cache_multiplier=0.0)
 
     def router_settings(self, shared_cache: bool) -> RouterSettings:
-        """The core's settings; `shared_cache`: a shared-pool client is there to query."""
+        """The core's settings; `shared_cache`: the shared pool's pages are credited."""
         return RouterSettings(
             weights=self.scoring_weights(), shared_cache=shared_cache, router_page_size=self.page_size,
             booking_ttl_s=self.booking_ttl_s, router_id=self.router_id, predicted_pages=self.predicted_pages,

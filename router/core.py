@@ -37,7 +37,7 @@ from kvtier.schemas.routing import (
 from kvtier.schemas.state_keys import ModelKeys
 from kvtier.schemas.subjects import name_of_token, subject_token
 
-from . import lean, rates, scoring, steps
+from . import lean, rates, steps
 from .booking import AlreadyBooked, LoadBook, Selection
 from .breaker import CircuitBreaker
 from .cluster_checks import ClusterChecks
@@ -50,7 +50,7 @@ from .index_feed import CATCH_UP_WAIT_S, IndexedOverlapReader, ModelIndex, TierI
 from .lean import LEAN_ATTEMPTS
 from .metrics import RouterMetrics
 from .recording import DecisionRecorder
-from .roster import Roster, Rosters, fits_of
+from .roster import Roster, Rosters, read_fits
 from .settings import RouterSettings
 from .shared_pool import SharedPoolClient, SharedPoolUnavailable
 from .shared_query import SharedPoolQuery
@@ -119,6 +119,8 @@ class Router:
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_backoff_s)
         self.shared_pool = shared_pool
         self.shared_query = SharedPoolQuery(shared_pool, settings, metrics)
+        #: Asked where its pages are credited, or where the rates learn (a first token fetches them either way).
+        self.asks_shared_pool = shared_pool is not None and (settings.shared_cache or settings.learn_rates)
         self.decision_log = decision_log
         self.rng = rng or random.Random()
         self.router_id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
@@ -236,19 +238,21 @@ class Router:
         overlaps, change = lean.read_overlaps(index, roster, request.token_ids, pages_by_size)
         degraded: list[str] = []
         shared = None
-        if self.settings.shared_cache and self.shared_pool is not None:
+        priced = overlaps
+        if self.asks_shared_pool:
             try:
                 shared = await self.shared_query.pages(directory, pages_by_size)
             except SharedPoolUnavailable:
                 degraded.append(DEGRADED_SHARED_POOL)
             if shared:
-                overlaps = {w: steps.with_shared(w, live[w][0], o, directory, shared) for w, o in overlaps.items()}
+                priced = {w: steps.with_shared(w, live[w][0], o, directory, shared) for w, o in overlaps.items()}
+                overlaps = priced if self.settings.shared_cache else overlaps
         ids = self._reachable(request.model, roster.candidates, exclude)
         primary_size = steps.lean_primary_size(roster.by_size, live, ids)
         n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
         decode_pages = steps.decode_pages_of(len(request.token_ids), request.max_new_tokens, primary_size)
         return lean.LeanInputs(ids, overlaps, live, change, degraded, shared, primary_size, n_pages, decode_pages,
-                               steps.lean_credits(ids, overlaps, weights))
+                               steps.lean_credits(ids, overlaps, weights), priced)
 
     def _lean_outcome(self, request: RouteRequest, request_id: str, weights: ScoringWeights, u: float,
                       started: float, read: lean.LeanInputs, booked: lean.LeanBooked, directory: ModelDirectory,
@@ -292,25 +296,28 @@ class Router:
                                self._reachable(model, found.views, exclude, lambda v: v.worker_id))
         fresh.sort(key=lambda v: v.worker_id)
         scores = steps.score_inputs(fresh, read.directory, shared, read.pages_by_size, len(request.token_ids),
-                                    request.max_new_tokens, weights)
-        inputs, credits = scores.inputs, scores.credits
-        columns = (await self._ttft_columns(model, request, inputs, [v.page_size for v in fresh])
-                   if self.settings.faster_pick else None)
+                                    request.max_new_tokens, weights, self.settings.shared_cache)
+        columns = None
+        if self.settings.faster_pick:
+            fits = await read_fits(self.redis, model)  # the override decides on the formula's overlaps
+            columns = rates.ttft_columns(len(request.token_ids), [c.overlap for c in scores.inputs],
+                                         [v.page_size for v in fresh],
+                                         [fits.get(c.worker_id) for c in scores.inputs], rates.RATE_PRIOR)
         affinity = ""
         if request.session_id:
             kept = await self._session_worker(model, request.session_id)
-            index, affinity = steps.keep_session(inputs, kept, scores.n_pages, weights, u)
+            index, affinity = steps.keep_session(scores.inputs, kept, scores.n_pages, weights, u)
             if index is not None:
-                fresh, inputs, credits = [fresh[index]], [inputs[index]], [credits[index]]
+                fresh, scores = [fresh[index]], steps.kept_only(scores, index)
                 columns = None  # the session's worker stays
-        selection = await self._select_and_book(request, request_id, scores, inputs, credits, read.pages_by_size,
-                                                weights, u, columns, [v.page_size for v in fresh], owner)
-        booked_inputs = steps.with_loads(inputs, selection.prefill_loads, selection.decode_loads)
+        selection = await self._select_and_book(request, request_id, scores, read.pages_by_size, weights, u, columns,
+                                                [v.page_size for v in fresh], owner)
+        booked_inputs = steps.with_loads(scores.inputs, selection.prefill_loads, selection.decode_loads)
         scored = rates.formula_then_faster(scores.n_pages, booked_inputs, weights, u, columns)
         if scored.chosen != selection.chosen and self.settings.selection == "score":
             self.metrics.scoring_mismatch.inc()
             log.error("selection in Redis chose %s, router/scoring.py %s, for request %s: please report",
-                      inputs[selection.chosen].worker_id, inputs[scored.chosen].worker_id, request_id)
+                      scores.inputs[selection.chosen].worker_id, scores.inputs[scored.chosen].worker_id, request_id)
         chosen = selection.chosen
         predicted_ttft_ms = columns.predicted_ms(chosen, selection.prefill_loads[chosen]) if columns else None
         candidates = steps.scored_candidates(booked_inputs, scored.logits, [v.page_size for v in fresh])
@@ -333,14 +340,6 @@ class Router:
             latency=latency, shared=shared, predicted_ttft_ms=predicted_ttft_ms)
         return Outcome(response, decision, read.pages_by_size.get(fresh[chosen].page_size))
 
-    async def _ttft_columns(self, model: str, request: RouteRequest, inputs: list[scoring.CandidateInputs],
-                            page_sizes: list[int]) -> rates.TtftColumns:
-        """For --router-mode predicted-ttft: the candidates' rates.TtftColumns at the rates
-        Redis holds just before the booking, as the overlaps were read."""
-        fits = fits_of(await self.redis.hgetall(ModelKeys.for_model(model).rates))
-        return rates.ttft_columns(len(request.token_ids), [c.overlap for c in inputs], page_sizes,
-                                  [fits.get(c.worker_id) for c in inputs], rates.RATE_PRIOR)
-
     async def _read_state(self, request: RouteRequest) -> _StateRead:
         """Every live worker's view (one round trip) while the shared pool is asked which pages
         it holds; read again once when a worker joined since the directory was last read."""
@@ -355,7 +354,7 @@ class Router:
             for size in sizes:
                 if size not in pages_by_size:
                     pages_by_size[size] = RequestPages.of(request.token_ids, size)
-            want_shared = self.settings.shared_cache and self.shared_pool is not None and shared is None
+            want_shared = self.asks_shared_pool and shared is None
             if want_shared:
                 read, pool = await asyncio.gather(
                     self.reader.read(model, pages_by_size),
@@ -377,7 +376,6 @@ class Router:
         return _StateRead(directory, views, pages_by_size, shared, shared_error)
 
     async def _select_and_book(self, request: RouteRequest, request_id: str, scores: steps.ScoreInputs,
-                               inputs: list[scoring.CandidateInputs], credits: list[float],
                                pages_by_size: dict[int, RequestPages], weights: ScoringWeights,
                                u: float, columns: rates.TtftColumns | None, page_sizes: list[int], owner: str = ""
                                ) -> Selection:
@@ -385,14 +383,16 @@ class Router:
         candidates' predicted first tokens, for the override of the formula's choice at the
         loads Redis holds (rates.faster_than_formula; None: the formula's). The booking keeps what
         the chosen one's first token waits for, for its rates to learn from."""
-        works = [(rates.predicted_work(len(request.token_ids), c.overlap, 0, size), size)
-                 for c, size in zip(inputs, page_sizes)] if self.settings.learn_rates else []
+        inputs = scores.inputs
+        works = [(rates.predicted_work(len(request.token_ids), overlap, 0, size), size)
+                 for overlap, size in zip(scores.priced, page_sizes)] if self.settings.learn_rates else []
         primary_size = scores.primary_size
         predict = (pages_by_size[primary_size].keys_blob
                    if self.settings.predicted_pages and primary_size in pages_by_size else "")
         try:
             return await self.book.select_and_book(
-                request.model, request_id, scores.n_pages, scores.decode_pages, steps.booking_offers(inputs, credits),
+                request.model, request_id, scores.n_pages, scores.decode_pages,
+                steps.booking_offers(inputs, scores.credits),
                 weights.prefill_load_scale, weights.temperature, u, book=request.book,
                 selection=self.settings.selection, predict=predict, devices=[c.overlap.device for c in inputs],
                 faster=columns, works=works, owner=owner)

@@ -60,6 +60,8 @@ class LeanInputs:
     n_pages: int
     decode_pages: int
     credits: list[float]  # the formula's
+    #: `overlaps` with the shared pool's pages, credited or not: the work the rates learn from.
+    priced: dict[str, TierOverlap]
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ class CopyBooking:
         if not self.settings.learn_rates:
             return chosen, formula, values, None
         worker = lean.ids[chosen]
-        return chosen, formula, values, rates.predicted_work(n_tokens, lean.overlaps[worker], prefill[chosen],
+        return chosen, formula, values, rates.predicted_work(n_tokens, lean.priced[worker], prefill[chosen],
                                                              roster.live[worker][0])
 
     def _predict(self, roster: Roster, worker: str, work: rates.Work | None) -> float | None:

@@ -51,6 +51,11 @@ def fits_of(flat_or_map) -> dict[str, RateFit]:
     return fits
 
 
+async def read_fits(redis, model: str) -> dict[str, RateFit]:
+    """Every worker's fit of `model` as Redis holds it now (fits_of)."""
+    return fits_of(await redis.hgetall(ModelKeys.for_model(model).rates))
+
+
 def _int_map(flat_or_map) -> dict[str, int]:
     return {as_text(k): int(v) for k, v in _pairs(flat_or_map)}
 

@@ -332,7 +332,7 @@ class RouterService:
     async def healthz(self, request: web.Request) -> web.Response:
         router = self.router
         state_ok, state_error, mismatches = await self._store_health()
-        shared = SharedPoolHealth(enabled=router.settings.shared_cache and router.shared_pool is not None,
+        shared = SharedPoolHealth(enabled=router.asks_shared_pool, credited=router.settings.shared_cache,
                                   last_error=router.last_shared_pool_error)
         hash_scheme = HashSchemeHealth(ok=not mismatches, mismatched_workers=[
             MismatchedWorker(model=model, worker_id=check.worker_id, mismatched_pages=check.mismatched,
@@ -472,14 +472,15 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, ready=None) -> N
                                 pool_wait_s=config.redis_pool_wait_s, socket_connect_timeout=config.state_timeout_s,
                                 socket_timeout=config.state_timeout_s)
     shared_pool = None
-    if config.shared_cache_type is SharedCacheType.HICACHE:
+    credited = config.shared_cache_type is SharedCacheType.HICACHE
+    if credited or (config.mooncake_master and config.learn_rates):  # asked to credit its pages, or to price them
         shared_pool = SharedPoolClient(config.mooncake_master, timeout_s=config.shared_cache_timeout_s)
     decision_log = None
     if config.nats_url:
         decision_log = DecisionLog(config.nats_url, on_published=metrics.decision_log_published.inc,
                                    on_dropped=metrics.decision_log_dropped.inc)
         decision_log.start()
-    router = Router(client, config.router_settings(shared_cache=shared_pool is not None), metrics,
+    router = Router(client, config.router_settings(shared_cache=credited), metrics,
                     shared_pool=shared_pool, decision_log=decision_log,
                     rng=random.Random(config.seed) if config.seed is not None else None)
     service = config.service_settings()

@@ -46,7 +46,7 @@ class StateSource(Choice):
 @dataclass
 class RouterSettings:
     weights: ScoringWeights = field(default_factory=ScoringWeights)
-    shared_cache: bool = False  # --shared-cache-type hicache
+    shared_cache: bool = False  # --shared-cache-type hicache: the pool's pages are credited
     router_page_size: int | None = None  # --page-size: workers that differ get no shared credit
     booking_ttl_s: float = BOOKING_TTL_S
     router_id: str = ""

@@ -8,6 +8,7 @@ answers with. So each step can be checked on hand-built inputs (tests/router/tes
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -157,20 +158,32 @@ class ScoreInputs:
     primary_size: int  # the page size the request's pages are counted at
     n_pages: int
     decode_pages: int
+    #: Each input's overlap with the shared pool's pages, credited or not: what its first token
+    #: waits for (the booking's work, which its rates learn from).
+    priced: list[TierOverlap]
 
 
 def score_inputs(views: list[WorkerView], directory: ModelDirectory, shared: SharedAnswer | None,
                  pages_by_size: Mapping[int, RequestPages], n_tokens: int, max_new_tokens: int,
-                 weights: ScoringWeights) -> ScoreInputs:
-    """Each view's overlap (with the shared pool's pages), load and cache credit."""
-    inputs = [scoring.CandidateInputs(v.worker_id, with_shared(v.worker_id, v.page_size, v.overlap, directory, shared),
-                                      v.prefill_load, v.decode_load) for v in views]
+                 weights: ScoringWeights, credit_shared: bool = True) -> ScoreInputs:
+    """Each view's overlap (with the shared pool's pages where `credit_shared`), load and
+    cache credit, and its overlap with the pool's pages in any case (`ScoreInputs.priced`)."""
+    priced = [with_shared(v.worker_id, v.page_size, v.overlap, directory, shared) for v in views]
+    inputs = [scoring.CandidateInputs(v.worker_id, p if credit_shared else v.overlap, v.prefill_load, v.decode_load)
+              for v, p in zip(views, priced)]
     # Workers of one model share a page size in practice; with mixed sizes the request's
     # page count is taken at the most common one, and each worker's overlap at its own.
     primary_size = most_common_page_size(v.page_size for v in views)
     n_pages = len(pages_by_size[primary_size]) if primary_size in pages_by_size else 0
     credits = [scoring.cache_credit(c.overlap, weights) for c in inputs]
-    return ScoreInputs(inputs, credits, primary_size, n_pages, decode_pages_of(n_tokens, max_new_tokens, primary_size))
+    return ScoreInputs(inputs, credits, primary_size, n_pages, decode_pages_of(n_tokens, max_new_tokens, primary_size),
+                       priced)
+
+
+def kept_only(scores: ScoreInputs, index: int) -> ScoreInputs:
+    """`scores` with its candidate at `index` alone (a session's worker that stays)."""
+    return dataclasses.replace(scores, inputs=[scores.inputs[index]], credits=[scores.credits[index]],
+                               priced=[scores.priced[index]])
 
 
 def keep_session(inputs: Sequence[scoring.CandidateInputs], kept: str | None, n_pages: int,

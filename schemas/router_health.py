@@ -19,8 +19,11 @@ class StateStoreHealth(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SharedPoolHealth(msgspec.Struct, frozen=True, kw_only=True):
-    #: The router asks a Mooncake master (--shared-cache-type hicache).
+    #: The router asks a Mooncake master (--mooncake-master): to credit the pages workers can
+    #: fetch from it, or only to price them in the rates' predictions.
     enabled: bool = False
+    #: Its pages are credited in the formula (--shared-cache-type hicache).
+    credited: bool = False
     #: The last query's failure; "" once a query succeeds again.
     last_error: str = ""
 

@@ -71,7 +71,10 @@ class PipelinePolicy:
 
     def __init__(self, name: str, stack: PipelineStack, workers: int, page_size: int, visibility_lag_s: float,
                  seed: int, router_args: Sequence[str] = (), overrides: dict | None = None, shared: bool = False,
-                 replicas: int = 2):
+                 replicas: int = 2, prices_pool: bool = False):
+        """`shared`: the routers credit the simulated L3 pool's pages (`--shared-cache-type
+        hicache`); `prices_pool`: they are given the pool only to price its pages in their rates'
+        predictions (`--mooncake-master` alone), as PredictedTtftModel is."""
         self.name = name
         self.model = f"replay-{name}"
         self.stack = stack
@@ -82,6 +85,7 @@ class PipelinePolicy:
         self.router_args = list(router_args)
         self.overrides = overrides
         self.shared = shared
+        self.prices_pool = prices_pool
         self.replicas = replicas
         self.procs: list[KvtierSubprocess] = []
         self.publishers: list[SglangEventPublisher] = []
@@ -116,7 +120,7 @@ class PipelinePolicy:
         # trusted client's do (router/rates.py ClientSamples bounds the others).
         router_args = ["--nats", self.stack.nats_url, *QUIET, "--booking-ttl", "86400", "--state-timeout-ms", "30000",
                        "--auth-token", self._token, *self.router_args]
-        if self.shared:
+        if self.shared or (self.prices_pool and cluster.pool is not None):
             app = web.Application()
             async def query(request):
                 return pool_query_response(cluster.pool, request)
@@ -126,8 +130,8 @@ class PipelinePolicy:
             await runner.setup()
             pool_port = free_port()
             await web.TCPSite(runner, "127.0.0.1", pool_port).start()
-            router_args += ["--shared-cache-type", "hicache", "--mooncake-master", f"http://127.0.0.1:{pool_port}",
-                            "--shared-cache-timeout-ms", "30000"]
+            router_args += [*(["--shared-cache-type", "hicache"] if self.shared else []),
+                            "--mooncake-master", f"http://127.0.0.1:{pool_port}", "--shared-cache-timeout-ms", "30000"]
         self.procs.append(start_bridge(
             log_dir, f"{self.name}-bridge", (f"tcp://127.0.0.1:{zmq_base}", f"tcp://127.0.0.1:{replay_base}"), "sim",
             self.model, self.page_size, self.stack.nats_url,

@@ -24,6 +24,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from kvtier.eval.trace import PreparedRequest
 from kvtier.router import scoring
 from kvtier.router.rates import (
@@ -232,6 +234,11 @@ class RouterModel:
 
     needs_events = True
     needs_tokens = False
+    #: Asks the shared pool for every decision even where the formula does not credit it
+    #: (`shared` off), so that the work a booking keeps for its rates to learn from prices the
+    #: pages its first token fetches from it: a router given `--mooncake-master` whose rates
+    #: learn. The override still decides on the formula's overlaps (router/rates.py ttft_columns).
+    prices_pool = False
 
     def __init__(self, name: str, workers: int, page_size: int, weights: ScoringWeights, shared: bool,
                  visibility_lag_s: float, seed: int, replicas: int = 2, predicted: bool = False):
@@ -280,20 +287,23 @@ class RouterModel:
                 view.apply(events)
         hashes = [block_hash_of_digest(d) for d in request.digests]
         pooled = None
-        if self.shared and cluster.pool is not None:
+        if (self.shared or self.prices_pool) and cluster.pool is not None:
             pooled = [cluster.pool.contains(d) for d in request.digests]
-        candidates = []
+        candidates, priced = [], []
         for rank in self.order:
             held = self.predicted[rank] if self.predicted is not None else None
             device, host, disk, guess = self.views[rank].walk(hashes, held)
             beyond = sum(pooled[device + guess:]) if pooled is not None else 0
             overlap = TierOverlap(device=device, host=host, disk=disk, shared_beyond=beyond, predicted=guess)
-            candidates.append(scoring.CandidateInputs(worker_id(rank), overlap, self.prefill[rank], self.decode[rank]))
+            priced.append(overlap)
+            scored_overlap = overlap if self.shared else msgspec.structs.replace(overlap, shared_beyond=0)
+            candidates.append(scoring.CandidateInputs(worker_id(rank), scored_overlap, self.prefill[rank],
+                                                      self.decode[rank]))
         u = self.rngs[request.index % len(self.rngs)].random()
         scored = self._score(len(hashes), candidates, u)
         chosen = self.order[scored.chosen]
         seen = candidates[scored.chosen].overlap
-        work = self._decided(request, chosen, candidates[scored.chosen])
+        work = self._decided(request, candidates[scored.chosen], priced[scored.chosen])
         prefill_pages = max(len(hashes) - seen.device - seen.predicted, 0)
         self.prefill[chosen] += prefill_pages
         self.decode[chosen] += decode_pages(request, self.page_size)
@@ -309,8 +319,9 @@ class RouterModel:
     def _score(self, request_pages: int, candidates: list[scoring.CandidateInputs], u: float) -> scoring.Scored:
         return scoring.score(request_pages, candidates, self.weights, u)
 
-    def _decided(self, request: PreparedRequest, rank: int, seen: scoring.CandidateInputs) -> Work | None:
-        """What a policy that learns from its first tokens keeps of a decision (nothing, here)."""
+    def _decided(self, request: PreparedRequest, seen: scoring.CandidateInputs, priced: TierOverlap) -> Work | None:
+        """What a policy that learns from its first tokens keeps of a decision (nothing, here);
+        `priced`: the chosen one's overlap with the pool's pages, credited or not (`prices_pool`)."""
         return None
 
     def _first_token(self, rank: int, work: Work, ttft_ms: float) -> None:
@@ -354,6 +365,8 @@ class PredictedTtftModel(RouterModel):
         self._request = request  # what _score prices (the router's decision sees the request too)
         return await super().decide(request, now, cluster, truth, tokens)
 
+    prices_pool = True
+
     def _score(self, request_pages, candidates, u):
         request = self._request
         assert request is not None
@@ -362,8 +375,8 @@ class PredictedTtftModel(RouterModel):
                                self.pick)
         return formula_then_faster(request_pages, candidates, self.weights, u, columns, self.pick)
 
-    def _decided(self, request, rank, seen) -> Work:
-        return predicted_work(request.input_tokens, seen.overlap, seen.prefill_load, self.page_size)
+    def _decided(self, request, seen, priced) -> Work:
+        return predicted_work(request.input_tokens, priced, seen.prefill_load, self.page_size)
 
     def _first_token(self, rank: int, work: Work, ttft_ms: float) -> None:
         # seconds as release.lua reads them (ms / 1000), so the pipeline's fit and errors are these exactly

@@ -117,7 +117,8 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
     if name == "ttft_oracle":
         return TtftOraclePolicy()
     if name == "predicted_ttft" and settings.via == "model":
-        # the pool credited as tier_aware credits it (not at all): the two differ only in the override
+        # the pool credited as tier_aware credits it (not at all): the two differ only in the
+        # override, which prices the pool's pages as the router given --mooncake-master does
         weights, shared = policy_weights(name, settings.weights)
         return PredictedTtftModel(name, shape.workers, shape.page_size, weights, shared,
                                   settings.visibility_lag_s, seed, predicted=settings.predicted_pages)
@@ -132,7 +133,8 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
             router_args += ["--predicted-pages", "on"]
         overrides = DEVICE_ONLY if name == "device_only" else None
         return PipelinePolicy(name, stack, shape.workers, shape.page_size, settings.visibility_lag_s, seed,
-                              router_args=router_args, overrides=overrides, shared=shared)
+                              router_args=router_args, overrides=overrides, shared=shared,
+                              prices_pool=name == "predicted_ttft")
     weights, shared = policy_weights(name, settings.weights)
     draws = seed + REDRAW_SEED_OFFSET if name == REDRAWN else seed
     return RouterModel(name, shape.workers, shape.page_size, weights, shared, settings.visibility_lag_s, draws,

@@ -129,3 +129,43 @@ def test_dead_master_and_page_size_mismatch_degrade_not_fail(redis_server, moonc
     finally:
         stop_all(dead, mismatched)
         client.close()
+
+
+def test_a_pool_that_is_not_credited_is_still_priced_in_the_work_the_rates_learn_from(
+        redis_server, mooncake_master, shared_pool_writer):
+    """--mooncake-master without --shared-cache-type hicache: the formula credits nothing of the
+    pool (the worked example's logits without it), but the booking's work, which the worker's
+    rates learn from, prices the pool's pages as L3 loads, not as tokens to recompute; with
+    --learn-rates off the pool is not asked at all."""
+    from kvtier.schemas.state_keys import ModelKeys
+
+    from ..router_helpers import http
+
+    layout = MooncakeLayout()
+    tokens = request_tokens(4, 1, seed=14)
+    put_pages(shared_pool_writer, tokens, 1, layout, range(4))
+    client = redis.Redis.from_url(redis_server.url)
+    seeder = StateSeeder(client, MODEL + "-d")
+    seeder.worker("W0", 1, tokens, device=2, layout=layout)
+    seeder.worker("W1", 1, layout=layout)
+    priced = RouterProcess(redis_server.url, "--prefill-load-scale", "1", "--mooncake-master", mooncake_master.http_url)
+    blind = RouterProcess(redis_server.url, "--prefill-load-scale", "1", "--learn-rates", "off",
+                          "--mooncake-master", mooncake_master.http_url)
+    try:
+        status, body, headers = priced.route(MODEL + "-d", tokens, request_id="p1")
+        assert status == 200 and "X-Kvtier-Degraded" not in headers, body
+        got = candidates(body)
+        assert [got[w]["overlap"]["shared_beyond"] for w in ("W0", "W1")] == [0, 0]
+        assert (got["W0"]["logit"], got["W1"]["logit"]) == (2.0, 4.0) and body["worker_id"] == "W0"
+        work = client.hget(ModelKeys.for_model(MODEL + "-d").booking("p1"), "work").decode().split()
+        # W0 holds pages 0-1 on its GPU; pages 2-3 come from the pool: nothing to recompute
+        assert [float(v) for v in work[:4]] == [0.0, 0.0, 2.0, 0.0], work
+        assert http("GET", f"{priced.url}/healthz")[1]["shared_pool"] == {"enabled": True, "credited": False,
+                                                                      "last_error": ""}
+
+        status, body, _ = blind.route(MODEL + "-d", tokens, book=False)  # W0 now holds p1's load
+        assert status == 200 and all(c["overlap"]["shared_beyond"] == 0 for c in body["candidates"]), body
+        assert http("GET", f"{blind.url}/healthz")[1]["shared_pool"]["enabled"] is False
+    finally:
+        stop_all(priced, blind)
+        client.close()

@@ -211,7 +211,8 @@ def test_a_router_healthz_body_round_trips_through_its_schema():
     from kvtier.schemas.router_health import decode_router_health
 
     body = {"status": "degraded", "router_id": "r1", "routing": "tier-aware",
-            "state_store": {"ok": True, "error": ""}, "shared_pool": {"enabled": True, "last_error": "timeout"},
+            "state_store": {"ok": True, "error": ""},
+            "shared_pool": {"enabled": True, "credited": True, "last_error": "timeout"},
             "hash_scheme": {"ok": False, "mismatched_workers": [
                 {"model": "m", "worker_id": "w1", "mismatched_pages": 3, "checked_pages": 5,
                  "kinds": {"hash_scheme": 3}, "explanation": "other scheme"}]},
