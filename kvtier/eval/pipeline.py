@@ -73,8 +73,8 @@ class PipelinePolicy:
                  seed: int, router_args: Sequence[str] = (), overrides: dict | None = None, shared: bool = False,
                  replicas: int = 2, prices_pool: bool = False):
         """`shared`: the routers credit the simulated L3 pool's pages (`--shared-cache-type
-        hicache`); `prices_pool`: they are given the pool only to price its pages in their rates'
-        predictions (`--mooncake-master` alone), as PredictedTtftModel is."""
+        hicache`); `prices_pool`: they are given the pool only to price its pages in the work their
+        rates learn from (`--mooncake-master` alone), as PredictedTtftModel is."""
         self.name = name
         self.model = f"replay-{name}"
         self.stack = stack

@@ -348,6 +348,8 @@ class PredictedTtftModel(RouterModel):
     (router/rates.py `faster_than_formula`), learned from the first-token times it is told
     (the lockstep's simulated TTFT, as a client's release would report it)."""
 
+    prices_pool = True
+
     def __init__(self, *args, prior: RatePrior | None = None, fit: FitSettings | None = None,
                  pick: FasterPick = FASTER_PICK, **kwargs):
         super().__init__(*args, **kwargs)
@@ -364,8 +366,6 @@ class PredictedTtftModel(RouterModel):
     async def decide(self, request, now, cluster, truth, tokens=None) -> Decision:
         self._request = request  # what _score prices (the router's decision sees the request too)
         return await super().decide(request, now, cluster, truth, tokens)
-
-    prices_pool = True
 
     def _score(self, request_pages, candidates, u):
         request = self._request

@@ -118,7 +118,7 @@ def make_policy(name: str, settings: ReplaySettings, stack=None):
         return TtftOraclePolicy()
     if name == "predicted_ttft" and settings.via == "model":
         # the pool credited as tier_aware credits it (not at all): the two differ only in the
-        # override, which prices the pool's pages as the router given --mooncake-master does
+        # override; its rates learn from work that prices the pool's pages (--mooncake-master)
         weights, shared = policy_weights(name, settings.weights)
         return PredictedTtftModel(name, shape.workers, shape.page_size, weights, shared,
                                   settings.visibility_lag_s, seed, predicted=settings.predicted_pages)
